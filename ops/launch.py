@@ -57,3 +57,9 @@ def launch(grid, kernel, args):
         ct.launch(torch.cuda.current_stream(), grid, kernel, args)
     else:
         interpreter.launch(grid, kernel, args)
+
+
+def kernel_source(kernel):
+    """The Python source of a ``@ct.kernel`` (the decorated object wraps the function)."""
+    import inspect
+    return inspect.getsource(getattr(kernel, "_pyfunc", kernel))

@@ -6,7 +6,8 @@ contiguous, and hands them to one of the backends:
     "reference"  the chunked PyTorch reference (reference/chunked.py), any device
     "interpret"  the three cuTile kernels, executed on the CPU by ops/interpreter.py
     "cutile"     the three cuTile kernels, compiled and launched on a CUDA GPU
-    "auto"       "cutile" for CUDA tensors on a GPU cuTile supports, else "reference"
+    "auto"       "cutile" for CUDA tensors on a GPU cuTile supports (and sizes the kernels take:
+                 headdim and dstate powers of two, in [16, 128] and [16, 512]), else "reference"
 """
 import importlib.util
 import math
@@ -47,7 +48,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     args = _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
                          dt_limit, backend)
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = args
-    backend = _resolve_backend(backend, x)
+    backend = _resolve_backend(backend, x, B)
 
     if backend == "reference":
         from reference.chunked import ssd_chunked
@@ -80,11 +81,18 @@ def cutile_supported(device):
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def _resolve_backend(backend, x):
+def kernels_take(headdim, dstate):
+    """The kernels tile headdim and dstate whole, so both must be powers of two in range."""
+    pow2 = lambda v: v & (v - 1) == 0
+    return pow2(headdim) and pow2(dstate) and 16 <= headdim <= 128 and 16 <= dstate <= 512
+
+
+def _resolve_backend(backend, x, B):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "auto":
-        return "cutile" if cutile_supported(x.device) else "reference"
+        fits = kernels_take(x.shape[3], B.shape[3]) and x.dtype in KERNEL_DTYPES
+        return "cutile" if fits and cutile_supported(x.device) else "reference"
     if backend == "interpret" and x.device.type != "cpu":
         raise ValueError(f"backend='interpret' runs the kernels on the CPU; the inputs are on {x.device} "
                          "(move them with .cpu(), or use backend='cutile')")

@@ -127,3 +127,19 @@ def test_mixed_devices_raise_on_meta():
     kw["A"] = kw["A"].to("meta")
     with pytest.raises(ValueError, match="A on meta"):
         mamba_chunk_scan_combined(**kw)
+
+
+def test_kernel_backends_reject_sizes_they_do_not_tile():
+    kw = make_problem(dtype=torch.float32, headdim=12, dstate=16)
+    with pytest.raises(ValueError, match="headdim must be a power of two"):
+        mamba_chunk_scan_combined(**kw, chunk_size=16, backend="interpret")
+    # "auto" never picks a backend that cannot take the input.
+    out = mamba_chunk_scan_combined(**kw, chunk_size=16)
+    assert out.shape == kw["x"].shape and torch.isfinite(out).all()
+
+
+def test_interpret_backend_matches_reference_backend():
+    kw = make_problem(dtype=torch.float32, headdim=16, seq_boundaries=[30], D="2d", seed=2)
+    a, fa = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS, return_final_states=True, backend="interpret")
+    b, fb = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS, return_final_states=True, backend="reference")
+    assert rel_err(a, b) < TOL[torch.float32] and rel_err(fa, fb) < TOL[torch.float32]

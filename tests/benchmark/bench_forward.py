@@ -123,6 +123,35 @@ def run_one(impl, shape, chunk, dtype, warmup_ms, rep_ms):
     return row, out
 
 
+def environment():
+    """Device, driver and package versions, recorded with every result."""
+    import importlib.metadata as md
+    env = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    try:
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True).stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        env["driver"] = "unknown"
+    for pkg in ("triton", "cuda-tile", "mamba_ssm", "tilegym"):
+        env[pkg] = _version(pkg)
+    return env
+
+
+def _version(pkg):
+    """A package's version from its metadata, else its __version__ (the device bundle puts some
+    packages on the path without metadata), else 'not installed'."""
+    import importlib
+    import importlib.metadata as md
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        pass
+    try:
+        return getattr(importlib.import_module(pkg.replace("-", ".")), "__version__", "unknown")
+    except Exception:
+        return "not installed"
+
+
 def rel_err(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -159,7 +188,8 @@ def main(argv=None):
             json.dump(row, f)
         return
 
-    print(f"device: {torch.cuda.get_device_name(0)} | torch {torch.__version__}", flush=True)
+    env = environment()
+    print(" | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     shapes = [(args.batch, L, args.nheads, args.headdim, args.ngroups, n)
               for L in map(int, args.seqlens.split(",")) for n in map(int, args.dstates.split(","))]
     rows, total, k = [], len(shapes) * len(impls), 0
@@ -190,6 +220,7 @@ def main(argv=None):
                     first = next(iter(outs))
                     row["rel_err"], row["rel_err_vs"] = rel_err(out, outs[first]), first
                 outs[impl] = out
+            row.update(env)
             rows.append(row)
             ms = row.get("ms")
             print(f"{row['status'] if ms is None else f'{ms:8.3f} ms'}  ({time.time() - t0:.0f} s)", flush=True)

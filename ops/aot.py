@@ -1,0 +1,69 @@
+"""Ahead-of-time compilation of a kernel launch, for any GPU architecture, on any machine.
+
+cuTile compiles a kernel separately for every combination of constant parameters (tile sizes,
+feature flags) and argument dtypes. ``signature_of`` turns the arguments of a launch (as the
+launchers' ``*_plan`` functions build them; tensors on the "meta" device will do, they have
+shapes and dtypes but no memory) into the kernel signature that launch would compile, and
+``compile_cubin`` compiles it to a cubin for an architecture such as "sm_90" -- no GPU needed.
+
+The signature mirrors what a launch would use: every tensor becomes an array with its dtype
+and rank, 64-bit indices where the kernel parameter is annotated ``ct.IndexedWithInt64``,
+non-negative strides and no aliasing; Python ints become int32 scalars, Python floats float32
+scalars (the kernels cast float scalars explicitly, so a 64-bit one works too); constants
+(``ct.Constant``) are passed by value.
+"""
+import inspect
+import io
+import typing
+
+import torch
+
+import cuda.tile as ct
+from cuda.tile import compilation as cc
+
+ARCHS = ["sm_80", "sm_90", "sm_100"]
+CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
+            torch.float64: ct.float64, torch.int32: ct.int32, torch.int64: ct.int64}
+
+
+def _index_dtype(annotation):
+    if typing.get_origin(annotation) is typing.Annotated:
+        for meta in annotation.__metadata__:
+            if isinstance(meta, ct.ArrayAnnotation):
+                return meta.index_dtype
+    return ct.int32
+
+
+def _is_constant(annotation):
+    return (typing.get_origin(annotation) is typing.Annotated
+            and any(isinstance(m, ct.ConstantAnnotation) for m in annotation.__metadata__))
+
+
+def signature_of(kernel, args):
+    """The KernelSignature a launch of ``kernel`` with ``args`` compiles."""
+    params = inspect.signature(kernel._annotated_function.pyfunc).parameters.values()
+    constraints = []
+    for param, arg in zip(params, args, strict=True):
+        if _is_constant(param.annotation):
+            constraints.append(arg)
+        elif isinstance(arg, torch.Tensor):
+            constraints.append(cc.ArrayConstraint(
+                CT_DTYPE[arg.dtype], arg.dim(), index_dtype=_index_dtype(param.annotation),
+                stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False))
+        elif isinstance(arg, bool):
+            raise TypeError(f"{param.name}: a bool kernel argument should be a ct.Constant")
+        elif isinstance(arg, int):
+            constraints.append(cc.ScalarConstraint(ct.int32))
+        elif isinstance(arg, float):
+            constraints.append(cc.ScalarConstraint(ct.float32))
+        else:
+            raise TypeError(f"{param.name}: unexpected argument {arg!r}")
+    return cc.KernelSignature(constraints, calling_convention=cc.CallingConvention.cutile_python_v1())
+
+
+def compile_cubin(kernel, args, arch):
+    """Compile one launch's variant of ``kernel`` for ``arch`` (e.g. "sm_90"); returns the cubin bytes."""
+    buf = io.BytesIO()
+    cc.export_kernel(kernel, [signature_of(kernel, args)], buf, gpu_code=arch,
+                     output_format="cubin")
+    return buf.getvalue()
