@@ -1,0 +1,101 @@
+"""The autotuner's bookkeeping, on the CPU: a fake timer stands in for the GPU."""
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ops.autotune import Autotuner, seqlen_bucket
+
+SHAPE = {"seqlen": 65536, "dstate": 128, "dtype": "bfloat16"}
+CONFIGS = [{"BLOCK_M": 64, "occupancy": 3}, {"BLOCK_M": 128, "occupancy": 2},
+           {"BLOCK_M": 256, "occupancy": 1}, {"BLOCK_M": 32, "occupancy": 4}]
+TIMES = {64: 2.0, 128: 1.5, 256: float("nan"), 32: 3.0}    # 256 "fails to compile" below
+
+
+class FakeGPU:
+    """run(cfg) 'launches' a config; the timer reads back how long that config takes."""
+
+    def __init__(self):
+        self.launched = []
+
+    def run(self, cfg):
+        if cfg["BLOCK_M"] == 256:
+            raise RuntimeError("TileCompilerError: out of shared memory")
+        self.launched.append(cfg["BLOCK_M"])
+
+    def measure(self, fn):
+        fn()
+        return TIMES[self.launched[-1]]
+
+
+def _tuner(tmp_path, gpu, **kw):
+    return Autotuner(path=str(tmp_path / "autotune.json"), measure=gpu.measure, device="Test GPU",
+                     out=kw.pop("out", io.StringIO()), **kw)
+
+
+def test_picks_the_fastest_and_skips_failures(tmp_path):
+    gpu, out = FakeGPU(), io.StringIO()
+    t = _tuner(tmp_path, gpu, out=out)
+    best = t.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)
+    assert best == {"BLOCK_M": 128, "occupancy": 2}
+    assert [c["BLOCK_M"] for c, _ in t.last_failures] == [256]
+    log = out.getvalue()
+    assert "autotuning compute_out" in log and "[3/4]" in log and "skipped" in log and "1.500 ms" in log
+
+
+def test_remembers_in_memory_on_disk_and_across_processes(tmp_path):
+    gpu = FakeGPU()
+    _tuner(tmp_path, gpu).best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)
+    n = len(gpu.launched)
+    # Same object and a fresh object on the same file: no launch at all.
+    again = _tuner(tmp_path, gpu)
+    assert again.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)["BLOCK_M"] == 128
+    assert len(gpu.launched) == n
+    # Another process reads the same file and gets the winner without tuning (its run() would fail).
+    code = ("import sys, io; sys.path.insert(0, %r); from ops.autotune import Autotuner\n"
+            "t = Autotuner(path=%r, measure=lambda f: 1/0, device='Test GPU', out=io.StringIO())\n"
+            "def run(cfg): raise SystemExit('retuned')\n"
+            "print(t.best('compute_out', %r, [{'BLOCK_M': 1}], {'BLOCK_M': 0}, run)['BLOCK_M'])"
+            % (os.getcwd(), str(tmp_path / "autotune.json"), SHAPE))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd())
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "128"
+    entry = next(iter(json.load(open(tmp_path / "autotune.json")).values()))
+    assert entry["ms"] == 1.5 and entry["failures"] == 1 and entry["candidates"] == 4
+
+
+def test_keys_separate_kernels_shapes_and_devices(tmp_path):
+    gpu = FakeGPU()
+    t = _tuner(tmp_path, gpu)
+    t.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)
+    n = len(gpu.launched)
+    t.best("compute_out", {**SHAPE, "dstate": 256}, CONFIGS, CONFIGS[0], gpu.run)
+    assert len(gpu.launched) > n                      # a new shape is tuned
+    n = len(gpu.launched)
+    other = Autotuner(path=t.path, measure=gpu.measure, device="Other GPU", out=io.StringIO())
+    other.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)
+    assert len(gpu.launched) > n                      # a new device is tuned
+
+
+def test_switched_off_uses_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "0")
+    gpu = FakeGPU()
+    assert _tuner(tmp_path, gpu).best("compute_out", SHAPE, CONFIGS, CONFIGS[3], gpu.run) == CONFIGS[3]
+    assert gpu.launched == [] and not (tmp_path / "autotune.json").exists()
+
+
+def test_corrupt_cache_is_ignored_and_every_failure_is_an_error(tmp_path):
+    (tmp_path / "autotune.json").write_text("{not json")
+    gpu, out = FakeGPU(), io.StringIO()
+    t = _tuner(tmp_path, gpu, out=out)
+    assert t.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)["BLOCK_M"] == 128
+    assert "ignoring unreadable autotune cache" in out.getvalue()
+    with pytest.raises(RuntimeError, match="every candidate failed.*out of shared memory"):
+        t.best("fwd_pass_state", SHAPE, [CONFIGS[2]], CONFIGS[2], gpu.run)
+
+
+def test_seqlen_buckets():
+    assert [seqlen_bucket(n) for n in (1, 1000, 1024, 1025, 65536, 70000)] == [1024, 1024, 1024, 2048, 65536, 131072]
