@@ -5,6 +5,8 @@ feature flags) and argument dtypes. ``signature_of`` turns the arguments of a la
 launchers' ``*_plan`` functions build them; tensors on the "meta" device will do, they have
 shapes and dtypes but no memory) into the kernel signature that launch would compile, and
 ``compile_cubin`` compiles it to a cubin for an architecture such as "sm_90" -- no GPU needed.
+``launch_signature`` adds what a real launch knows about contiguous, aligned tensors (unit
+strides, 16-byte divisibility and alignment), which changes the code a lot: it is what runs.
 
 The signature mirrors what a launch would use: every tensor becomes an array with its dtype
 and rank, 64-bit indices where the kernel parameter is annotated ``ct.IndexedWithInt64``,
@@ -61,9 +63,46 @@ def signature_of(kernel, args):
     return cc.KernelSignature(constraints, calling_convention=cc.CallingConvention.cutile_python_v1())
 
 
-def compile_cubin(kernel, args, arch):
-    """Compile one launch's variant of ``kernel`` for ``arch`` (e.g. "sm_90"); returns the cubin bytes."""
+def launch_signature(kernel, args):
+    """The signature a launch on a GPU would compile for these arguments.
+
+    ``ops.aot.signature_of`` assumes only what holds for every array (any strides, any
+    alignment), which is right for a kernel exported once for unknown callers. A launch knows
+    more, and cuTile specializes the kernel on it: an axis of stride 1 becomes a constant
+    stride, strides and sizes that are multiples of 16 bytes / 16 elements are declared so,
+    the base address is 16-byte aligned and the elements of one array do not overlap. With
+    those facts the compiler can use 16-byte vector loads and asynchronous copies; without
+    them every element is a separate, bounds-checked 2-byte load. So the code that runs is
+    only seen with this signature. Here it is rebuilt from the arguments' shapes and strides
+    (meta tensors have both), assuming what holds for the contiguous tensors the launchers
+    receive: a freshly allocated tensor starts 16-byte aligned. Size-one axes, which a launch
+    may also turn into constants, are left alone (that needs a newer calling convention).
+    """
+    signature = signature_of(kernel, args)
+    params = []
+    for constraint, arg in zip(signature.parameters, args, strict=True):
+        if isinstance(arg, torch.Tensor):
+            size = arg.element_size()
+            vector = 16 // size if 16 % size == 0 else 1     # elements in 16 bytes
+            constraint = cc.ArrayConstraint(
+                constraint.dtype, constraint.ndim, index_dtype=constraint.index_dtype,
+                stride_lower_bound_incl=0, alias_groups=[], may_alias_internally=False,
+                stride_constant=[1 if st == 1 else None for st in arg.stride()],
+                stride_divisible_by=[vector if st != 1 and st * size % 16 == 0 else 1
+                                     for st in arg.stride()],
+                shape_divisible_by=[16 if d % 16 == 0 else 1 for d in arg.shape],
+                base_addr_divisible_by=16)
+        params.append(constraint)
+    return cc.KernelSignature(params, calling_convention=signature.calling_convention)
+
+
+def compile_cubin(kernel, args, arch, specialize=True):
+    """Compile one launch's variant of ``kernel`` for ``arch`` (e.g. "sm_90"); returns the cubin.
+
+    ``specialize=True`` (default) compiles what a launch with these arguments would run
+    (``launch_signature``); ``False``, a kernel for arbitrary arrays (``signature_of``).
+    """
+    signature = launch_signature(kernel, args) if specialize else signature_of(kernel, args)
     buf = io.BytesIO()
-    cc.export_kernel(kernel, [signature_of(kernel, args)], buf, gpu_code=arch,
-                     output_format="cubin")
+    cc.export_kernel(kernel, [signature], buf, gpu_code=arch, output_format="cubin")
     return buf.getvalue()
