@@ -1,0 +1,172 @@
+"""Compile every config of every kernel's search space ahead of time, and report which compile.
+
+    python tests/benchmark/compile_all.py                          # sm_90, dstate 128 and 256
+    python tests/benchmark/compile_all.py --arch sm_90,sm_100 --dstates 64,128,256,512 --jobs 2
+    python tests/benchmark/compile_all.py --kernels compute_out --csv compile.csv
+
+A tuner times each config of ``search_space`` on the GPU; a config that does not compile would
+only waste its time there, so this script checks them all beforehand, on any machine (no GPU:
+see ``ops/aot.py``). The shape is a Mamba-2 layer of a ~2.7B model: batch 1, 16K tokens, 80
+heads of 64, one group, bf16, chunks of 256 (only dtypes, the compile-time sizes -- chunk,
+headdim, dstate, tiles -- and the flags change the code; the tensors are "meta" tensors). The
+launches are those of ``ops.forward``: dt bias and softplus, D per head, no z, entry states in
+x's dtype.
+
+For each config it prints the compile time and, when ``ops.sass`` is available (it needs
+NVIDIA's nvdisasm and cuobjdump), the registers per thread, threads per block, spilled
+registers and shared memory of the machine code: a config that spills is legal but a poor bet.
+By default the kernel is compiled as a launch would specialize it (``ops.sass.launch_signature``:
+16-byte alignment, unit strides); ``--generic`` compiles ``ops.aot.compile_cubin``'s signature
+for arbitrary arrays instead. The compiler's disk cache is bypassed so the times are real.
+Exit status 1 if any config fails.
+"""
+import argparse
+import concurrent.futures as futures
+import csv
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("CUDA_TILE_CACHE_DIR", "off")   # measure compiles, not cache hits
+
+import torch  # noqa: E402
+
+from ops import chunk_cumsum, compute_out, fwd_pass_state  # noqa: E402
+
+KERNELS = {"chunk_cumsum": chunk_cumsum, "fwd_pass_state": fwd_pass_state,
+           "compute_out": compute_out}
+LAYER = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, chunk_size=256,
+             dtype=torch.bfloat16)
+
+
+def shape(dstate, **overrides):
+    """The shape dict that ``default_config`` / ``search_space`` take."""
+    return {**LAYER, "dstate": dstate, **overrides}
+
+
+def _meta(*size, dtype=torch.float32):
+    return torch.empty(size, dtype=dtype, device="meta")
+
+
+def plan(name, shp, config):
+    """(kernel, args) of one launch of kernel ``name`` for shape ``shp`` with ``config``."""
+    b, L, h, p, g, n = (shp[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups",
+                                         "dstate"))
+    chunk, dtype = shp["chunk_size"], shp["dtype"]
+    nchunks = -(-L // chunk)
+    x, B = _meta(b, L, h, p, dtype=dtype), _meta(b, L, g, n, dtype=dtype)
+    dt_out, dA = _meta(b, h, nchunks, chunk), _meta(b, h, nchunks, chunk)
+    if name == "chunk_cumsum":
+        A = _meta(h)
+        _, kernel, args, _ = chunk_cumsum.chunk_cumsum_plan(
+            _meta(b, L, h), A, chunk, dt_bias=A, dt_softplus=True, config=config)
+    elif name == "fwd_pass_state":
+        _, kernel, args, _ = fwd_pass_state.fwd_pass_state_plan(
+            x, B, dt_out, dA, states_dtype=dtype, config=config)
+    else:
+        states = _meta(b, nchunks, h, p, n, dtype=dtype)
+        _, kernel, args, _ = compute_out.compute_out_plan(x, B, B, dt_out, dA, states,
+                                                          D=_meta(h), config=config)
+    return kernel, args
+
+
+def _sass():
+    """``ops.sass`` if it and its NVIDIA tools are available, else None (then only compile)."""
+    try:
+        from ops import sass
+        sass.find_tool("nvdisasm")
+        sass.find_tool("cuobjdump")
+        return sass
+    except (ImportError, RuntimeError):
+        return None
+
+
+def compile_one(name, shp, config, arch, generic):
+    """Compile one config; returns a dict for the report (never raises)."""
+    row = dict(kernel=name, dstate=shp["dstate"], arch=arch, config=json.dumps(config))
+    start = time.perf_counter()
+    try:
+        kernel, args = plan(name, shp, config)
+        sass = _sass()
+        if sass is not None:
+            report = sass.sass_report(kernel, args, arch, specialize=not generic)
+            row.update(registers=report.registers, threads=report.threads,
+                       spill_loads=report.spill_loads, spill_stores=report.spill_stores,
+                       shared=report.shared)
+        elif generic:
+            from ops.aot import compile_cubin
+            compile_cubin(kernel, args, arch)
+        else:
+            raise RuntimeError("a launch's signature needs ops.sass; use --generic")
+        row["status"] = "ok"
+    except Exception as e:   # report it and go on: the point is to list every failure
+        row["status"] = "FAIL"
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row
+
+
+def diff(config, default):
+    """The config's keys that differ from the default (what a row is about)."""
+    d = {k: v for k, v in config.items() if default.get(k) != v}
+    return ", ".join(f"{k}={v}" for k, v in d.items()) or "(default)"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_90", help="comma-separated, e.g. sm_90,sm_100")
+    ap.add_argument("--dstates", default="128,256")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="compiles in parallel (processes)")
+    ap.add_argument("--generic", action="store_true",
+                    help="compile ops.aot's signature for arbitrary arrays instead of a launch's")
+    ap.add_argument("--csv", help="also write the rows to this CSV file")
+    opts = ap.parse_args(argv)
+
+    jobs = []
+    for name in opts.kernels.split(","):
+        module = KERNELS[name]
+        for n in map(int, opts.dstates.split(",")):
+            shp = shape(n)
+            default = module.default_config(**shp)
+            for config in module.search_space(**shp):
+                for arch in opts.arch.split(","):
+                    jobs.append((name, shp, config, arch, diff(config, default)))
+    print(f"{len(jobs)} compiles, {opts.jobs} at a time", flush=True)
+
+    rows, start = [], time.perf_counter()
+    with futures.ProcessPoolExecutor(max_workers=opts.jobs) as pool:
+        running = {pool.submit(compile_one, name, shp, cfg, arch, opts.generic): label
+                   for name, shp, cfg, arch, label in jobs}
+        for done in futures.as_completed(running):
+            row = {**done.result(), "variant": running[done]}
+            rows.append(row)
+            extra = (f"regs {row['registers']:3d} x {row['threads']:3d} threads, "
+                     f"spills {row['spill_loads']}/{row['spill_stores']}, "
+                     f"smem {row['shared'] // 1024} KiB" if "registers" in row else "")
+            print(f"{row['status']:4s} {row['seconds']:5.1f}s {row['kernel']:14s} "
+                  f"n={row['dstate']:<3d} {row['arch']:6s} {row['variant']:60s} "
+                  f"{row.get('error', extra)}", flush=True)
+
+    failed = [r for r in rows if r["status"] != "ok"]
+    total = time.perf_counter() - start
+    print(f"\n{len(rows) - len(failed)} compiled, {len(failed)} failed, "
+          f"{sum(r['seconds'] for r in rows):.0f} s of compiling in {total:.0f} s")
+    for r in failed:
+        print(f"FAILED {r['kernel']} n={r['dstate']} {r['arch']} {r['variant']}: {r['error']}")
+    if opts.csv:
+        keys = ["kernel", "dstate", "arch", "variant", "status", "seconds", "registers",
+                "threads", "spill_loads", "spill_stores", "shared", "error", "config"]
+        with open(opts.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(sorted(rows, key=lambda r: (r["kernel"], r["dstate"], r["arch"])))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Plot and summarise a results CSV of bench_forward.py.
+
+    python tests/benchmark/plot.py results.csv --out speedup.png   # the figure
+    python tests/benchmark/plot.py results.csv --markdown          # README-ready tables
+    python tests/benchmark/plot.py results.csv --summary           # the headline numbers
+
+The figure has three panels, each against the sequence length L (log axis), one colour per dstate:
+    1. cutile's speedup over mamba_ssm's Triton kernels: solid at chunk 256 for both, dashed with
+       each at its best chunk (when the CSV has several chunks); the line at 1.0 is parity
+    2. TileGym's speedup over the Triton kernels, drawn the same way: how the other cuTile
+       implementation fares on the same problems
+    3. the roofline fraction at chunk 256 -- the share of the hardware limit (peak matmul rate or
+       copy bandwidth, whichever binds, measured at the start of the run) that each
+       implementation reaches: cutile solid, Triton dotted, TileGym dash-dotted
+A point that is missing (an implementation that crashed, failed or was not run) is left out; a
+partial CSV plots what it has.
+
+``summary(csv)`` returns the headline numbers as a dict (see report.summary for the keys).
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import report  # noqa: E402
+from report import summary  # noqa: E402,F401  (part of this module's interface)
+
+LINESTYLE = {"cutile": "-", "triton": ":", "tilegym": "-."}
+
+
+def _series(pts, dstate, num, den, chunk):
+    """(L values, speedups of ``num`` over ``den``) for one dstate; ``chunk`` a size or "best"."""
+    xs, ys = [], []
+    for shape, by_impl in pts.items():
+        if shape[6] != dstate:
+            continue
+        sp = report.speedup(report.pick(by_impl.get(num), chunk), report.pick(by_impl.get(den), chunk))
+        if sp is not None:
+            xs.append(shape[5])
+            ys.append(sp)
+    return xs, ys
+
+
+def plot(source, out, title=None):
+    """Write the three-panel figure of a results CSV (or rows) to ``out`` (PNG)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.load(source)
+    pts = report.points(rows)
+    chunk = report.ref_chunk(rows) if rows else report.REF_CHUNK
+    several_chunks = len({r["chunk"] for r in rows}) > 1
+    dstates = sorted({s[6] for s in pts})
+    seqlens = sorted({s[5] for s in pts})
+    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(dstates)}
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    panels = [(axes[0], "cutile", "cutile vs Triton (mamba_ssm): speedup"),
+              (axes[1], "tilegym", "TileGym vs Triton (mamba_ssm): speedup")]
+    for ax, num, heading in panels:
+        drawn = False
+        for n in dstates:
+            xs, ys = _series(pts, n, num, "triton", chunk)
+            if xs:
+                ax.plot(xs, ys, "o-", color=colors[n])
+                drawn = True
+            if several_chunks:
+                xs, ys = _series(pts, n, num, "triton", "best")
+                if xs:
+                    ax.plot(xs, ys, "s--", color=colors[n], alpha=0.7, markersize=4)
+        ax.axhline(1.0, color="black", linewidth=1)
+        ax.set_title(heading)
+        ax.set_ylabel("speedup over Triton (higher is better)")
+        styles = {f"both at chunk {chunk}": "-"}
+        if several_chunks:
+            styles["each at its best chunk"] = "--"
+        _finish(ax, seqlens, drawn, colors, styles)
+
+    ax = axes[2]
+    drawn = False
+    for impl in ("cutile", "triton", "tilegym"):
+        for n in dstates:
+            xs, ys = [], []
+            for shape, by_impl in pts.items():
+                r = report.pick(by_impl.get(impl), chunk)
+                if shape[6] == n and report.is_ok(r) and r.get("roofline_fraction") is not None:
+                    xs.append(shape[5])
+                    ys.append(r["roofline_fraction"])
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=3, linestyle=LINESTYLE[impl], color=colors[n])
+                drawn = True
+    ax.set_title(f"Roofline fraction at chunk {chunk}")
+    ax.set_ylabel("roofline time / measured time (1.0 = hardware limit)")
+    ax.set_ylim(bottom=0)
+    _finish(ax, seqlens, drawn, colors, LINESTYLE)
+
+    if title is None and rows:
+        r0 = rows[0]
+        title = (f"Mamba-2 SSD forward, {r0.get('nheads')} heads x headdim {r0.get('headdim')}, "
+                 f"{r0.get('ngroups')} group(s), {r0.get('dtype')}, batch {r0.get('batch')} "
+                 f"-- {r0.get('device') or 'unknown device'}")
+    fig.suptitle(title or "Mamba-2 SSD forward")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _finish(ax, seqlens, drawn, colors, styles):
+    """Axis, ticks and a compact legend: one entry per colour (dstate), one per line style."""
+    from matplotlib.lines import Line2D
+    ax.set_xscale("log", base=2)
+    if seqlens:
+        ax.set_xticks(seqlens)
+        ax.set_xticklabels([report.fmt_len(L) for L in seqlens])
+        ax.minorticks_off()
+    ax.set_xlabel("sequence length L")
+    ax.grid(True, which="major", alpha=0.3)
+    if not drawn:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="gray")
+        return
+    handles = [Line2D([], [], color=c, linewidth=3, label=f"dstate {n}") for n, c in colors.items()]
+    handles += [Line2D([], [], color="gray", linestyle=ls, label=name) for name, ls in styles.items()]
+    ax.legend(handles=handles, fontsize=7)
+
+
+def markdown(source):
+    """README-ready tables: each implementation at chunk 256, and (if the CSV has a chunk sweep)
+    each at its best chunk."""
+    rows = report.load(source)
+    if not rows:
+        return "(no results)"
+    chunk = report.ref_chunk(rows)
+    impls = report.impls_in(rows)
+    subject = report.SUBJECT if report.SUBJECT in impls else impls[-1]
+    parts = [f"Time per forward call (ms) at chunk {chunk}; the speedups are {subject}'s (other's time / "
+             f"{subject}'s); roofline: the share of the hardware limit {subject} reaches.\n",
+             report.table(rows, chunk=chunk, markdown=True)]
+    if len({r["chunk"] for r in rows}) > 1:
+        parts += ["\nEach implementation at its best chunk (in parentheses):\n",
+                  report.table(rows, chunk="best", markdown=True)]
+    return "\n".join(parts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv", help="a results CSV written by bench_forward.py")
+    ap.add_argument("--out", default=None, help="PNG to write (default: the CSV's name with .png)")
+    ap.add_argument("--markdown", action="store_true", help="print README-ready tables instead of plotting")
+    ap.add_argument("--summary", action="store_true", help="print the headline numbers instead of plotting")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    if args.markdown or args.summary:
+        if args.markdown:
+            print(markdown(args.csv))
+        if args.summary:
+            print(report.summary_text(summary(args.csv)))
+        return 0
+    out = args.out or os.path.splitext(args.csv)[0] + ".png"
+    plot(args.csv, out, title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The H200 benchmark: this project's cuTile forward against mamba_ssm's Triton kernels and TileGym.
+#
+#   tests/benchmark/run_h200.sh              # both parts, in order: grid, then chunks
+#   tests/benchmark/run_h200.sh grid         # only the grid at chunk 256
+#   tests/benchmark/run_h200.sh chunks       # only the chunk sweep
+#
+# Parts (80 heads x headdim 64, 1 group, bf16, batch 1; L 1K..256K; dstate 64..512):
+#   grid    triton, cutile, tilegym at chunk 256              -> $OUT/grid_chunk256.csv (+ .log .png .md)
+#   chunks  the same at chunks 64, 128 and 256 (the chunk-256 rows are taken over from the grid
+#           part, so only 64 and 128 run); each implementation's best chunk is marked
+#                                                             -> $OUT/grid_chunks.csv (+ .log .png .md)
+#
+# Every part is bounded by `timeout` (GRID_LIMIT, CHUNKS_LIMIT seconds; by default the two together
+# fit in 10 minutes) and resumable: the CSVs live in $BENCH_WORK, every finished point is written at
+# once, and running the script again on the same machine continues where it stopped (a part that
+# ran out of time says "incomplete"). Outputs for the rel_err comparison are kept there too.
+#
+# Estimated times on one H200 (from the autotuning each implementation does; worker start-up,
+# i.e. importing torch and the kernels and initialising CUDA, is ~10 s per worker; a timed point
+# is ~1 s once tuned):
+#   grid (60 points)
+#     triton   1.5-3.5 min: Triton autotunes once per (chunk, dstate) key, 10-40 s each, 4 keys;
+#              with TRITON_CACHE_AUTOTUNING=1 (set below) a restarted worker reuses the results
+#     cutile   1-5 min: autotunes once per power-of-two L bucket and dstate (20 here), cached on
+#              disk in $MAMBA2_CUTILE_AUTOTUNE_CACHE, so a second run tunes nothing
+#     tilegym  4-12 min: cuda.tile.tune.exhaustive_search over ~115 configs per shape (20 shapes),
+#              in memory only; the first shape of each dstate also compiles every config
+#     total    ~7-20 min: expect the grid to need one or two reruns of `run_h200.sh grid`
+#   chunks (120 new points)
+#     triton   2.5-6 min (8 new keys), cutile 2-10 min (40 new buckets), tilegym 8-24 min (40 shapes)
+#     total    ~13-40 min: several reruns; SWEEP_SEQLENS=16K,256K (say) cuts it to about 2/5
+# Without autotuning (MAMBA2_CUTILE_AUTOTUNE=0, TILEGYM_DISABLE_AUTOTUNE=1) each part is ~2-4 min,
+# but then the implementations are not at their best; the CSVs record these variables.
+#
+# Environment: OUT (default ./bench_out), BENCH_WORK (default .cache/bench, ignored by git),
+# IMPLS, SEQLENS, DSTATES, SWEEP_SEQLENS, SWEEP_CHUNKS, GRID_LIMIT, CHUNKS_LIMIT, TASK_TIMEOUT, and
+# EXTRA_ARGS (more bench_forward.py options, e.g. "--device cpu --nheads 2 ..." for a dry run).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+OUT=${OUT:-$PWD/bench_out}
+WORK=${BENCH_WORK:-$PWD/.cache/bench}
+IMPLS=${IMPLS:-triton,cutile,tilegym}
+SEQLENS=${SEQLENS:-1K,4K,16K,64K,256K}
+DSTATES=${DSTATES:-64,128,256,512}
+SWEEP_SEQLENS=${SWEEP_SEQLENS:-$SEQLENS}
+SWEEP_CHUNKS=${SWEEP_CHUNKS:-64,128,256}
+TASK_TIMEOUT=${TASK_TIMEOUT:-300}       # one point, its autotuning included; longer: recorded as crashed
+EXTRA_ARGS=${EXTRA_ARGS:-}
+PARTS=${*:-grid chunks}
+if [ "$PARTS" = "grid chunks" ]; then
+    GRID_LIMIT=${GRID_LIMIT:-320}; CHUNKS_LIMIT=${CHUNKS_LIMIT:-200}
+else
+    GRID_LIMIT=${GRID_LIMIT:-540}; CHUNKS_LIMIT=${CHUNKS_LIMIT:-540}
+fi
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+export MAMBA2_CUTILE_AUTOTUNE_CACHE=${MAMBA2_CUTILE_AUTOTUNE_CACHE:-$WORK/cutile_autotune.json}
+mkdir -p "$OUT" "$WORK/slices"
+
+START=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - $1 )) s"; }
+
+# part NAME LIMIT_S BENCH_ARGS...: run bench_forward.py under timeout, copy its CSV, plot and tables to $OUT
+part() {
+    local name=$1 limit=$2; shift 2
+    local t0; t0=$(date +%s)
+    echo "=== $name: up to ${limit} s (started at $(elapsed "$START") into the script)"
+    timeout -k 15 "$limit" python tests/benchmark/bench_forward.py "$@" \
+        --csv "$WORK/$name.csv" --resume --slices "$WORK/slices" --task-timeout "$TASK_TIMEOUT" $EXTRA_ARGS \
+        2>&1 | tee -a "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    if [ -f "$WORK/$name.csv" ]; then
+        cp "$WORK/$name.csv" "$OUT/"
+        python tests/benchmark/plot.py "$OUT/$name.csv" --out "$OUT/$name.png" || true
+        python tests/benchmark/plot.py "$OUT/$name.csv" --markdown --summary > "$OUT/$name.md" || true
+        cat "$OUT/$name.md"
+    fi
+    [ -f "$MAMBA2_CUTILE_AUTOTUNE_CACHE" ] && cp "$MAMBA2_CUTILE_AUTOTUNE_CACHE" "$OUT/" || true
+    if [ "$rc" -eq 0 ]; then
+        echo "=== $name: complete in $(elapsed "$t0")"
+    else
+        echo "=== $name: incomplete after $(elapsed "$t0") (exit $rc): run the same command again to continue"
+    fi
+}
+
+for p in $PARTS; do
+    case $p in
+        grid)
+            part grid_chunk256 "$GRID_LIMIT" --impls "$IMPLS" --seqlens "$SEQLENS" --dstates "$DSTATES" \
+                --chunks 256 ;;
+        chunks)
+            # start from the chunk-256 rows of the grid part (when there are some), then add the others
+            if [ ! -f "$WORK/grid_chunks.csv" ] && [ -f "$WORK/grid_chunk256.csv" ]; then
+                cp "$WORK/grid_chunk256.csv" "$WORK/grid_chunks.csv"
+            fi
+            part grid_chunks "$CHUNKS_LIMIT" --impls "$IMPLS" --seqlens "$SWEEP_SEQLENS" --dstates "$DSTATES" \
+                --chunks "$SWEEP_CHUNKS" ;;
+        *)
+            echo "unknown part '$p' (parts: grid, chunks)"; exit 2 ;;
+    esac
+done
+echo "=== all done in $(elapsed "$START"); results in $OUT"

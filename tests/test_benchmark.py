@@ -1,0 +1,375 @@
+"""The benchmark harness (tests/benchmark/), end to end on the CPU.
+
+The GPU benchmark is expensive to rerun, so every path of the harness that does not need a GPU is
+run here: the worker processes and their task lists, restarting after a crash, a broken device, a
+failure and a hang, the comparison with the baseline, the CSV, resuming, stopping on SIGTERM,
+the plot, the README table and the summary numbers.
+
+mamba_ssm and TileGym are replaced by stand-ins with their real call signatures (written to a
+temporary folder put first on PYTHONPATH) that compute with this project's reference, so the
+argument plumbing of both -- TileGym's processed dt, A, D and initial state included -- is
+checked against the baseline too.
+"""
+import csv
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BENCH = os.path.join(HERE, "benchmark", "bench_forward.py")
+PLOT = os.path.join(HERE, "benchmark", "plot.py")
+sys.path.insert(0, os.path.join(HERE, "benchmark"))
+
+import plot  # noqa: E402
+import report  # noqa: E402
+
+TINY = ["--device", "cpu", "--nheads", "2", "--headdim", "16", "--warmup-ms", "1", "--rep-ms", "2"]
+PROGRESS = re.compile(r"^\[(\d+)/(\d+)\] (\S+) L=(\S+) dstate=(\d+) chunk=(\d+) (.*) \((\d+) s\)$", re.M)
+
+STAND_INS = {
+    "mamba_ssm/__init__.py": '__version__ = "0.0-stand-in"\n',
+    "mamba_ssm/ops/__init__.py": "",
+    "mamba_ssm/ops/triton/__init__.py": "",
+    "mamba_ssm/ops/triton/ssd_combined.py": '''
+        import math
+        from reference.chunked import ssd_chunked
+
+        def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                                      initial_states=None, seq_idx=None, cu_seqlens=None,
+                                      dt_softplus=False, dt_limit=(0.0, math.inf),
+                                      return_final_states=False, return_varlen_states=False):
+            return ssd_chunked(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                               initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
+                               dt_limit=dt_limit, return_final_states=return_final_states)
+    ''',
+    "tilegym/__init__.py": '__version__ = "0.0-stand-in"\n',
+    "tilegym/ops/__init__.py": "",
+    "tilegym/ops/cutile/__init__.py": "",
+    "tilegym/ops/cutile/mamba2.py": '''
+        import torch
+        from reference.chunked import ssd_chunked
+
+        def mamba2_chunk_forward(x, a, b, c, d, dt, init_state, chunk_size=64):
+            if x.shape[1] % chunk_size:
+                raise ValueError("num_tokens must be divisible by a positive chunk_size")
+            assert dt.shape == x.shape[:3] and dt.dtype == torch.float32 and bool((dt > 0).all())
+            assert a.shape == d.shape == (x.shape[2],) and bool((a < 0).all())
+            assert init_state.shape == (x.shape[0], x.shape[2], x.shape[3], b.shape[3])
+            return ssd_chunked(x, dt, a, b, c, chunk_size, D=d, initial_states=init_state,
+                               return_final_states=True)
+    ''',
+}
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stand_ins")
+    for path, text in STAND_INS.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(textwrap.dedent(text))
+    return str(root)
+
+
+def bench_env(stand_ins, **extra):
+    """The environment of a harness run: the stand-ins first on the path, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "BENCH_FORWARD_CRASH"}
+    env.update(PYTHONPATH=os.pathsep.join([stand_ins, ROOT]), MPLBACKEND="Agg", **extra)
+    return env
+
+
+def run_bench(args, env, timeout=180):
+    proc = subprocess.run([sys.executable, BENCH] + args, capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+    return proc
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# Pieces ------------------------------------------------------------------------------------------
+
+def test_the_default_grid_is_the_h200_one():
+    import bench_forward as bf
+    a = bf.parse_args([])
+    assert (a.impls, a.seqlens, a.dstates, a.chunks) == (
+        ["triton", "cutile", "tilegym"], [1024, 4096, 16384, 65536, 262144], [64, 128, 256, 512], [256])
+    assert (a.nheads, a.headdim, a.ngroups, a.batch, a.dtype, a.device) == (80, 64, 1, 1, "bf16", "cuda")
+    assert a.baseline == [("triton", None), ("cutile", None), ("tilegym", None)]
+    assert bf.parse_lengths("1K,4k,1M,96") == [1024, 4096, 1 << 20, 96]
+
+
+def test_work_counts_at_the_h200_shape():
+    import bench_forward as bf
+    flops, nbytes = bf.work_counts(1, 65536, 80, 64, 1, 128, 256, "bfloat16")
+    assert flops == 4 * 65536 * 80 * 64 * 128 + 65536 * 256 * 128 + 65536 * 256 * 80 * 64
+    assert nbytes == 65536 * (2 * 80 * 64 * 2 + 2 * 128 * 2 + 80 * 4) + 3 * 80 * 4
+
+
+def test_median_time_follows_do_bench_recipe():
+    """The timer used when triton is missing: an estimate, ~warmup_ms of calls, ~rep_ms timed."""
+    import bench_forward as bf
+    calls, times = [], iter([2.0] + [5.0, 1.0, 3.0, 4.0, 2.0])
+    fn = lambda: calls.append(1)
+
+    def time_once(f):
+        f()
+        return next(times)
+    assert bf.median_time(fn, warmup_ms=4, rep_ms=10, time_once=time_once) == 3.0
+    assert len(calls) == 1 + 2 + 5                      # estimate, 4/2 warm-up calls, 10/2 timed ones
+
+
+# The whole harness on a tiny grid ------------------------------------------------------------
+
+IMPLS = ["triton", "cutile", "tilegym", "interpret", "_crash"]
+CRASHES = "64x32x32:exit,96x16x64:poison,96x32:raise"     # _crash's behaviour by L x dstate [x chunk]
+
+
+@pytest.fixture(scope="module")
+def grid(stand_ins, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid")
+    csv_path, png = str(out / "grid.csv"), str(out / "grid.png")
+    args = TINY + ["--impls", ",".join(IMPLS), "--seqlens", "64,96", "--dstates", "16,32",
+                   "--chunks", "32,64", "--csv", csv_path, "--plot", png]
+    proc = run_bench(args, bench_env(stand_ins, BENCH_FORWARD_CRASH=CRASHES))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(proc=proc, csv=csv_path, png=png, args=args)
+
+
+def rows_by(rows):
+    return {(r["impl"], int(r["seqlen"]), int(r["dstate"]), int(r["chunk"])): r for r in rows}
+
+
+def test_every_point_is_recorded(grid):
+    rows = read_csv(grid["csv"])
+    assert len(rows) == len(IMPLS) * 2 * 2 * 2
+    by = rows_by(rows)
+    for impl in ("triton", "interpret"):
+        assert all(r["status"] == "ok" for r in rows if r["impl"] == impl)
+    # cutile needs a GPU: each point fails with the reason, and the run goes on
+    assert all(r["status"].startswith("failed: ValueError") and "CUDA" in r["status"]
+               for r in rows if r["impl"] == "cutile")
+    # TileGym runs only where L is a multiple of the chunk
+    assert by[("tilegym", 96, 16, 64)]["status"].startswith("skipped")
+    assert by[("tilegym", 96, 16, 32)]["status"] == "ok"
+
+
+def test_crashes_are_recorded_and_the_run_goes_on(grid):
+    by = rows_by(read_csv(grid["csv"]))
+    exited = by[("_crash", 64, 32, 32)]["status"]
+    assert exited.startswith("crashed: simulated crash: Segmentation fault") and "exit code 3" in exited
+    broken = by[("_crash", 96, 16, 64)]["status"]                 # the device broke: a new worker took over
+    assert broken.startswith("crashed: RuntimeError: simulated CUDA error")
+    for chunk in (32, 64):
+        assert by[("_crash", 96, 32, chunk)]["status"] == "failed: RuntimeError: simulated failure"
+        assert by[("_crash", 64, 16, chunk)]["status"] == "ok"
+    # the same shapes at the other chunk ran fine: in a new worker after the crash, before the break
+    assert by[("_crash", 64, 32, 64)]["status"] == by[("_crash", 96, 16, 32)]["status"] == "ok"
+    out = grid["proc"].stdout
+    assert out.count("_crash worker started") == 3                # 1 + a crash + a broken device
+    assert "_crash| simulated crash: Segmentation fault" in grid["proc"].stderr
+
+
+def test_outputs_are_compared_with_the_baseline(grid):
+    rows = read_csv(grid["csv"])
+    for r in rows:
+        if r["status"] != "ok":
+            assert r["rel_err"] == ""
+        elif (r["impl"], r["chunk"]) == ("triton", "64"):
+            assert r["rel_err_vs"] == "(baseline)"                 # chunk 64: the run's largest
+        else:
+            assert r["rel_err_vs"] == "triton/64", r
+            assert float(r["rel_err"]) < 1e-2, r                  # bf16 outputs
+
+
+def test_derived_columns(grid):
+    rows = read_csv(grid["csv"])
+    r = rows_by(rows)[("interpret", 96, 32, 64)]
+    flops = 4 * 96 * 2 * 16 * 32 + 96 * 64 * 1 * 32 + 96 * 64 * 2 * 16
+    nbytes = 96 * (2 * 2 * 16 * 2 + 2 * 32 * 2 + 2 * 4) + 3 * 2 * 4
+    assert (int(r["flops"]), int(r["bytes"])) == (flops, nbytes)
+    ms, peak_tflops, peak_gbps = float(r["ms"]), float(r["peak_tflops"]), float(r["peak_gbps"])
+    assert math.isclose(float(r["tflops"]), flops / ms / 1e9, rel_tol=1e-9)
+    assert math.isclose(float(r["gbps"]), nbytes / ms / 1e6, rel_tol=1e-9)
+    roof = max(flops / peak_tflops / 1e9, nbytes / peak_gbps / 1e6)
+    assert math.isclose(float(r["roofline_fraction"]), roof / ms, rel_tol=1e-9)
+    # the CSV describes its run
+    assert r["device"].startswith("cpu") and r["timer"] == "perf_counter median"
+    assert r["mamba_ssm"] == r["tilegym"] == "0.0-stand-in" and r["torch"] and r["git_commit"]
+    assert r["finite"] == "True" and float(r["first_call_s"]) > 0
+    # exactly one best chunk per implementation and shape (where any chunk ran)
+    for impl in ("triton", "interpret", "tilegym"):
+        for L in (64, 96):
+            for n in (16, 32):
+                marks = [r["best_chunk"] for r in rows if (r["impl"], r["seqlen"], r["dstate"]) == (impl, str(L), str(n))
+                         and r["status"] == "ok"]
+                assert marks.count("True") == 1, (impl, L, n, marks)
+
+
+def test_progress_lines(grid):
+    lines = PROGRESS.findall(grid["proc"].stdout)
+    total = len(IMPLS) * 8 - 2                                    # two TileGym points are skipped
+    assert [int(k) for k, *_ in lines] == list(range(1, total + 1))
+    assert {int(n) for _, n, *_ in lines} == {total}
+    assert any(status.endswith(" ms") for *_, status, _ in lines)
+    assert "[peaks] bf16 512^3 matmul" in grid["proc"].stdout
+    assert "max rel err" in grid["proc"].stdout                   # the closing table
+
+
+def test_plot_of_the_run(grid):
+    assert os.path.getsize(grid["png"]) > 10_000
+
+
+def test_resume_runs_nothing_twice(grid, stand_ins):
+    before = read_csv(grid["csv"])
+    proc = run_bench(grid["args"] + ["--resume"], bench_env(stand_ins, BENCH_FORWARD_CRASH=CRASHES))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 points to run" in proc.stdout and "worker started" not in proc.stdout
+    assert read_csv(grid["csv"]) == before
+
+
+# Hangs, SIGTERM, in-process mode ---------------------------------------------------------------
+
+def test_a_hanging_point_times_out(stand_ins, tmp_path):
+    csv_path = str(tmp_path / "hang.csv")
+    proc = run_bench(TINY + ["--impls", "_crash", "--seqlens", "64,96", "--dstates", "16", "--chunks", "32",
+                             "--task-timeout", "2", "--csv", csv_path, "--quiet-workers"],
+                     bench_env(stand_ins, BENCH_FORWARD_CRASH="64x16:hang"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by = rows_by(read_csv(csv_path))
+    assert by[("_crash", 64, 16, 32)]["status"] == "crashed: timed out after 2 s"
+    assert by[("_crash", 96, 16, 32)]["status"] == "ok"
+
+
+def test_sigterm_stops_the_worker_and_keeps_the_rows(stand_ins, tmp_path):
+    csv_path = str(tmp_path / "stopped.csv")
+    proc = subprocess.Popen([sys.executable, BENCH] + TINY + [
+        "--impls", "_crash", "--seqlens", "64,96", "--dstates", "16", "--chunks", "32", "--csv", csv_path,
+        "--quiet-workers"], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        env=bench_env(stand_ins, BENCH_FORWARD_CRASH="96x16:hang"))
+    out, pid, deadline = [], None, time.time() + 60
+    for line in proc.stdout:                        # wait until the first point is done
+        out.append(line)
+        pid = pid or (re.search(r"worker started, pid (\d+)", line) or [None, None])[1]
+        if line.startswith("[1/2]") or time.time() > deadline:
+            break
+    time.sleep(0.5)                                 # the second point hangs now
+    proc.send_signal(signal.SIGTERM)
+    out.append(proc.stdout.read())
+    assert proc.wait(timeout=30) == 143, "".join(out)
+    assert "stopped (SIGTERM)" in "".join(out)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)                        # the worker is gone too
+    rows = read_csv(csv_path)
+    assert [(r["seqlen"], r["status"]) for r in rows] == [("64", "ok")]
+
+
+def test_in_process_mode(stand_ins, tmp_path):
+    csv_path = str(tmp_path / "inproc.csv")
+    proc = run_bench(TINY + ["--impls", "triton,interpret", "--seqlens", "64", "--dstates", "16", "--chunks", "32",
+                             "--in-process", "--csv", csv_path], bench_env(stand_ins))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_csv(csv_path)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and float(rows[1]["rel_err"]) < 1e-2
+
+
+# The summary, the README table and the plot, from known numbers -------------------------------
+
+SYNTHETIC = [   # impl, L, dstate, chunk, status, ms, roofline_fraction
+    ("triton", 1024, 64, 256, "ok", 1.0, 0.1), ("cutile", 1024, 64, 256, "ok", 0.5, 0.2),
+    ("tilegym", 1024, 64, 256, "ok", 0.8, 0.15),
+    ("triton", 1024, 128, 256, "ok", 1.0, 0.1), ("cutile", 1024, 128, 256, "ok", 1.25, 0.08),
+    ("tilegym", 1024, 128, 256, "ok", 1.0, 0.1),
+    ("triton", 1024, 128, 128, "ok", 0.75, 0.1), ("cutile", 1024, 128, 128, "ok", 0.625, 0.1),
+    ("triton", 65536, 64, 256, "ok", 4.0, 0.1), ("cutile", 65536, 64, 256, "ok", 2.0, 0.3),
+    ("tilegym", 65536, 64, 256, "ok", 5.0, 0.1), ("tilegym", 65536, 64, 128, "ok", 3.0, 0.1),
+    ("triton", 65536, 128, 256, "ok", 6.0, 0.1), ("cutile", 65536, 128, 256, "ok", 4.0, 0.3),
+    ("triton", 262144, 64, 256, "ok", 16.0, 0.1), ("cutile", 262144, 64, 256, "ok", 4.0, 0.5),
+    ("triton", 262144, 128, 256, "crashed: CUDA error: an illegal memory access was encountered", None, None),
+    ("cutile", 262144, 128, 256, "ok", 8.0, 0.4),
+]
+
+
+@pytest.fixture
+def synthetic_csv(tmp_path):
+    path = str(tmp_path / "synthetic.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["impl", "seqlen", "dstate", "chunk", "status", "ms", "roofline_fraction", "batch", "nheads",
+                    "headdim", "ngroups", "dtype", "device"])
+        for impl, L, n, chunk, status, ms, frac in SYNTHETIC:
+            w.writerow([impl, L, n, chunk, status, "" if ms is None else ms, "" if frac is None else frac,
+                        1, 80, 64, 1, "bfloat16", "Test GPU"])
+    return path
+
+
+def test_summary_numbers(synthetic_csv):
+    s = plot.summary(synthetic_csv)
+    assert s["chunk"] == 256 and s["points"] == 5
+    # cutile over triton at chunk 256: 2.0, 0.8, 2.0, 1.5, 4.0 (256K x 128: Triton crashed)
+    assert math.isclose(s["geomean_speedup"], (2.0 * 0.8 * 2.0 * 1.5 * 4.0) ** (1 / 5), rel_tol=1e-12)
+    assert s["worst"] == {"seqlen": 1024, "dstate": 128, "speedup": 0.8}
+    assert s["best"] == {"seqlen": 262144, "dstate": 64, "speedup": 4.0}
+    assert s["slower_than_baseline"] == [s["worst"]]
+    assert s["below_target_long"] == [{"seqlen": 65536, "dstate": 128, "speedup": 1.5}]
+    assert s["not_compared"] == [{"seqlen": 262144, "dstate": 128, "cutile": "ok", "triton": "crashed"}]
+    # each at its best chunk: 1K x 128 becomes 0.75 / 0.625 = 1.2
+    assert math.isclose(s["geomean_speedup_best_chunks"], (2.0 * 1.2 * 2.0 * 1.5 * 4.0) ** (1 / 5), rel_tol=1e-12)
+    # cutile vs TileGym, each at its best chunk
+    assert [(p["seqlen"], p["dstate"], p["subject_chunk"], p["peer_chunk"]) for p in s["vs_peer"]] == [
+        (1024, 64, 256, 256), (1024, 128, 128, 256), (65536, 64, 256, 128)]
+    assert [p["speedup"] for p in s["vs_peer"]] == pytest.approx([1.6, 1.6, 1.5])
+    assert math.isclose(s["geomean_vs_peer"], (1.6 * 1.6 * 1.5) ** (1 / 3), rel_tol=1e-12)
+    assert s["roofline_seqlen"] == 262144 and s["roofline_fraction"] == {64: 0.5, 128: 0.4}
+    assert "geometric mean" in report.summary_text(s)
+
+
+def test_markdown_table(synthetic_csv):
+    md = subprocess.run([sys.executable, PLOT, synthetic_csv, "--markdown"], capture_output=True, text=True,
+                        check=True).stdout
+    lines = md.splitlines()
+    assert "| L | dstate | triton ms | tilegym ms | cutile ms | vs triton | vs tilegym | cutile roofline |" in lines
+    assert "| 1K | 64 | 1.000 | 0.800 | 0.500 | 2.00x | 1.60x | 20% |" in lines
+    assert "| 256K | 128 | crashed | - | 8.000 | - | - | 40% |" in lines
+    assert "| 1K | 128 | 0.750 (128) | 1.000 (256) | 0.625 (128) | 1.20x | 1.60x | 10% |" in lines   # best chunks
+
+
+def test_plot_cli_with_partial_data(synthetic_csv, tmp_path):
+    out = str(tmp_path / "speedup.png")
+    subprocess.run([sys.executable, PLOT, synthetic_csv, "--out", out], check=True, capture_output=True,
+                   env=dict(os.environ, MPLBACKEND="Agg"))
+    assert os.path.getsize(out) > 10_000
+    only_cutile = [r for r in report.load(synthetic_csv) if r["impl"] == "cutile"]     # nothing to compare
+    plot.plot(only_cutile, str(tmp_path / "partial.png"))
+    assert os.path.getsize(tmp_path / "partial.png") > 10_000
+
+
+# The H200 script, as a dry run on the CPU --------------------------------------------------------
+
+def test_run_h200_script_dry_run(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, OUT=str(out), BENCH_WORK=str(work), IMPLS="interpret", SEQLENS="64,128",
+               DSTATES="16", SWEEP_CHUNKS="32,256", MPLBACKEND="Agg",
+               EXTRA_ARGS="--device cpu --nheads 2 --headdim 16 --warmup-ms 1 --rep-ms 2 --quiet-workers")
+    proc = subprocess.run(["bash", os.path.join(HERE, "benchmark", "run_h200.sh")], capture_output=True,
+                          text=True, env=env, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "=== grid_chunk256: complete" in proc.stdout and "=== grid_chunks: complete" in proc.stdout
+    for name in ("grid_chunk256", "grid_chunks"):
+        for ext in ("csv", "log", "png", "md"):
+            assert (out / f"{name}.{ext}").stat().st_size > 0, (name, ext)
+    assert len(read_csv(out / "grid_chunk256.csv")) == 2
+    sweep = read_csv(out / "grid_chunks.csv")
+    assert sorted((r["seqlen"], r["chunk"], r["status"]) for r in sweep) == [
+        ("128", "256", "ok"), ("128", "32", "ok"), ("64", "256", "ok"), ("64", "32", "ok")]
+    # the sweep took the chunk-256 rows over from the grid and ran only the chunk-32 points
+    assert "2 rows kept, 2 points to run" in (out / "grid_chunks.log").read_text()
