@@ -18,8 +18,25 @@ The grid
 
 Why several heads per block
     ``dt`` is stored (batch, seqlen, nheads): the heads are the contiguous dimension. Reading
-    several neighbouring heads per token keeps the global loads wide. The outputs are written
-    (batch, nheads, nchunks, chunk_size), where each head's chunk is contiguous.
+    several neighbouring heads per token keeps the global loads wide.
+
+The layout of the outputs
+    Both outputs are stored (batch, nheads, nchunks, chunk_size), i.e. (batch, nheads, seqlen
+    padded to whole chunks): for one head, the whole sequence is one contiguous run of floats.
+    That is the layout the two later kernels want, because every one of their reads is "the
+    values of ONE head (or of a few neighbouring heads) over a run of consecutive tokens":
+    fwd_pass_state reads a head's whole chunk, compute_out a head's BLOCK_M rows and BLOCK_K
+    columns. In (batch, seqlen, nheads) those tokens would lie nheads * 4 bytes apart (a strided
+    gather, 4 useful bytes per 32-byte sector); here they are one contiguous (and TMA-friendly)
+    segment. Padding each head to whole chunks also lets the readers use chunk-aligned tiles
+    without a ragged end (the padding holds dt = 0, which makes those tokens inert). A block of
+    this kernel writes its (BLOCK_H, chunk_size) result as BLOCK_H contiguous segments.
+
+Tunables (``default_config`` / ``search_space``)
+    BLOCK_H (heads per block), LOAD_LAT / STORE_LAT (latency hints on the dt load and the two
+    stores; 0 = none), and the compiler hints occupancy and num_ctas (applied with
+    ``kernel.replace_hints``). The defaults are the values described above; the kernel is a
+    small share of the forward pass (a few percent), so its search space is small.
 """
 import math
 
@@ -27,12 +44,22 @@ import torch
 
 import cuda.tile as ct
 
-from .launch import launch
+from .launch import fit_index_width, launch
 
 LOG2E = 1.4426950408889634  # exp(v) == exp2(v * LOG2E)
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
+
+
+def latency_hint(value):
+    """The ``latency=`` argument of a load or store for a LOAD_LAT / STORE_LAT constant.
+
+    0 means no hint (the compiler infers the latency); 1 (low) .. 10 (high) tells it how heavy
+    the DRAM traffic behind that access is expected to be, which it weighs when it schedules and
+    pipelines the access. Called inside tile code with a constant, so it is evaluated while
+    compiling: the compiled kernel contains the hint or nothing."""
+    return None if value == 0 else value
 
 
 @ct.kernel
@@ -48,6 +75,8 @@ def chunk_cumsum_kernel(
     BLOCK_H: ConstInt,
     HAS_DT_BIAS: ConstBool,
     DT_SOFTPLUS: ConstBool,
+    LOAD_LAT: ConstInt,              # latency hint of the dt load, 1 (low) .. 10 (high); 0 = none
+    STORE_LAT: ConstInt,             # latency hint of the two stores; 0 = none
 ):
     # Large arrays are annotated IndexedWithInt64: their shapes, strides and tile indices are
     # 64-bit, so offsets such as token * nheads * headdim cannot overflow for long sequences.
@@ -59,7 +88,7 @@ def chunk_cumsum_kernel(
     # order=(0, 2, 1) views dt as (batch, nheads, seqlen): the tile comes out (BLOCK_H, CHUNK).
     # Zero padding covers the tokens past seqlen and heads past nheads (both are discarded).
     dtv = ct.load(dt, (b, hb, c), shape=(1, BLOCK_H, CHUNK), order=(0, 2, 1),
-                  padding_mode=ct.PaddingMode.ZERO)
+                  padding_mode=ct.PaddingMode.ZERO, latency=latency_hint(LOAD_LAT))
     dtv = ct.reshape(dtv, (BLOCK_H, CHUNK)).astype(ct.float32)
 
     if HAS_DT_BIAS:
@@ -88,8 +117,96 @@ def chunk_cumsum_kernel(
     a_log2 = a.astype(ct.float32) * LOG2E
     dA = ct.cumsum(dtv * a_log2[:, None], axis=1)
 
-    ct.store(dt_out, (b, hb, c, 0), ct.reshape(dtv, (1, BLOCK_H, 1, CHUNK)))
-    ct.store(dA_cumsum, (b, hb, c, 0), ct.reshape(dA, (1, BLOCK_H, 1, CHUNK)))
+    ct.store(dt_out, (b, hb, c, 0), ct.reshape(dtv, (1, BLOCK_H, 1, CHUNK)),
+             latency=latency_hint(STORE_LAT))
+    ct.store(dA_cumsum, (b, hb, c, 0), ct.reshape(dA, (1, BLOCK_H, 1, CHUNK)),
+             latency=latency_hint(STORE_LAT))
+
+
+# Configs ------------------------------------------------------------------------------------
+#
+# Every kernel module exposes ``default_config(**shape)`` (today's behaviour) and
+# ``search_space(**shape)`` (the variants worth timing for that shape); its ``*_plan`` takes
+# ``config=`` and returns the kernel with the config's compiler hints already applied. ``shape``
+# is one dict of problem sizes shared by the three modules (each takes what it needs and ignores
+# the rest): batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size, dtype (x's) and
+# optionally states_dtype (defaults to dtype, as in ops.forward). The helpers below are shared.
+
+HINT_KEYS = ("occupancy", "num_ctas")   # compiler hints; None keeps the kernel's own
+_HINTED = {}                             # (kernel, hints) -> kernel with those hints
+
+
+def with_hints(kernel, config):
+    """``kernel`` with the config's compiler hints (occupancy, num_ctas) applied.
+
+    ``replace_hints`` returns a new kernel object with its own compile cache, so calling it on
+    every launch would recompile every time; keeping one object per (kernel, hints) means each
+    variant compiles once per process. With no hint set, the kernel itself is returned (its
+    decorator's hints, e.g. compute_out's occupancy on sm_90, stay in force)."""
+    hints = tuple((k, config[k]) for k in HINT_KEYS if config.get(k) is not None)
+    if not hints:
+        return kernel
+    key = (kernel, hints)
+    if key not in _HINTED:
+        _HINTED[key] = kernel.replace_hints(**dict(hints))
+    return _HINTED[key]
+
+
+def resolve_config(config, default):
+    """``default`` updated with ``config`` (None -> the default). Unknown keys raise: a typo
+    would otherwise silently time the default under another name."""
+    if config is None:
+        return dict(default)
+    unknown = set(config) - set(default)
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; expected {sorted(default)}")
+    merged = {**default, **config}
+    for key in ("LOAD_LAT", "STORE_LAT"):
+        if key in merged and not (isinstance(merged[key], int) and 0 <= merged[key] <= 10):
+            raise ValueError(f"{key} must be an int in 0..10 (0 = no hint), got {merged[key]!r}")
+    occ, ctas = merged.get("occupancy"), merged.get("num_ctas")
+    if occ is not None and not (isinstance(occ, int) and 1 <= occ <= 32):
+        raise ValueError(f"occupancy must be None or an int in 1..32, got {occ!r}")
+    if ctas is not None and not _pow2_in(ctas, 1, 16):
+        raise ValueError(f"num_ctas must be None or a power of two in 1..16, got {ctas!r}")
+    return merged
+
+
+def _pow2_in(value, lo, hi):
+    return isinstance(value, int) and lo <= value <= hi and value & (value - 1) == 0
+
+
+def unique(configs):
+    """The configs in order, duplicates dropped."""
+    seen, out = set(), []
+    for cfg in configs:
+        key = tuple(sorted(cfg.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
+
+
+def default_config(*, nheads, **_):
+    """Today's choice: 16 heads per block (fewer when there are fewer heads), no hints."""
+    return dict(BLOCK_H=min(16, _next_pow2(nheads)), LOAD_LAT=0, STORE_LAT=0,
+                occupancy=None, num_ctas=None)
+
+
+def search_space(*, nheads, **shape):
+    """Heads per block (the width of the dt load and the block count), each with and without a
+    load latency hint, and a few hints (17 configs from 16 heads up); the kernel moves
+    seqlen * nheads * 12 bytes, a few percent of the forward pass."""
+    base = default_config(nheads=nheads, **shape)
+    widths = sorted({min(bh, _next_pow2(nheads)) for bh in (4, 8, 16, 32)})
+    configs = [base]
+    for bh in widths:
+        for load_lat in (0, 3, 8):
+            configs.append({**base, "BLOCK_H": bh, "LOAD_LAT": load_lat})
+    configs += [{**base, "STORE_LAT": 8}]
+    configs += [{**base, "occupancy": occ} for occ in (1, 2, 4)]
+    configs += [{**base, "num_ctas": 2}]
+    return unique(configs)
 
 
 def new_output(shape, dtype, device, poison=False):
@@ -112,32 +229,39 @@ def check_chunk_size(chunk_size):
 
 
 def chunk_cumsum_plan(dt, A, chunk_size, dt_bias=None, dt_softplus=False,
-                      dt_limit=(0.0, math.inf), block_h=None, poison=False):
-    """Allocate the outputs and build (grid, kernel, args, outputs) without launching."""
+                      dt_limit=(0.0, math.inf), block_h=None, poison=False, config=None):
+    """Allocate the outputs and build (grid, kernel, args, outputs) without launching.
+
+    ``config``: a dict from ``search_space`` (or part of one; missing keys take
+    ``default_config``'s values). ``block_h``, when given, overrides the config's BLOCK_H."""
     check_chunk_size(chunk_size)
     batch, seqlen, nheads = dt.shape
     nchunks = -(-seqlen // chunk_size)
-    if block_h is None:
-        block_h = min(16, _next_pow2(nheads))
+    cfg = resolve_config(config, default_config(nheads=nheads))
+    block_h = block_h or cfg["BLOCK_H"]
+    if not _pow2_in(block_h, 1, 1024):
+        raise ValueError(f"BLOCK_H must be a power of two, got {block_h}")
     shape = (batch, nheads, nchunks, chunk_size)
     dt_out = new_output(shape, torch.float32, dt.device, poison)
     dA_cumsum = new_output(shape, torch.float32, dt.device, poison)
     bias = dt_bias if dt_bias is not None else torch.zeros(1, dtype=torch.float32, device=dt.device)
     grid = (nchunks, -(-nheads // block_h), batch)
     args = (dt, A, bias, dt_out, dA_cumsum, float(dt_limit[0]), float(dt_limit[1]),
-            chunk_size, block_h, dt_bias is not None, bool(dt_softplus))
-    return grid, chunk_cumsum_kernel, args, (dt_out, dA_cumsum)
+            chunk_size, block_h, dt_bias is not None, bool(dt_softplus),
+            cfg["LOAD_LAT"], cfg["STORE_LAT"])
+    return grid, with_hints(fit_index_width(chunk_cumsum_kernel, args), cfg), args, (dt_out, dA_cumsum)
 
 
 def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf),
-                 poison=False):
+                 poison=False, config=None):
     """dt (b, L, h), A (h,) -> (dt_out, dA_cumsum), both float32 (b, h, nchunks, chunk_size).
 
     dt_out is the processed step (0 past seqlen); dA_cumsum is the within-chunk cumulative sum
     of dt_out * A times log2(e), i.e. ``reference.chunked.chunk_cumsum``'s result * LOG2E.
     Inputs must be contiguous. ``poison=True`` NaN-fills the outputs first (for tests).
+    ``config`` picks a variant (see ``search_space``); None is ``default_config``.
     """
     grid, kernel, args, outs = chunk_cumsum_plan(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit,
-                                                 poison=poison)
+                                                 poison=poison, config=config)
     launch(grid, kernel, args)
     return outs

@@ -40,6 +40,41 @@ Masks
     clamped to <= 0, so nothing overflows however long the chunk or large |A|. With seq_idx, the
     entry state only reaches tokens of the sequence that was running at the chunk's start.
 
+Layouts
+    dt and the decay cumsum come from chunk_cumsum as (batch, nheads, nchunks, CHUNK), i.e. one
+    contiguous run of (padded) tokens per head, so the block's reads of them -- BLOCK_M rows and
+    BLOCK_K columns of one head, or of HEADS_PER_BLOCK neighbouring heads -- are contiguous
+    segments rather than gathers with a stride of nheads.
+
+Sharing C B^T between heads (HEADS_PER_BLOCK)
+    C B^T does not depend on the head, only on its group, yet the one-head kernel recomputes
+    it for every head: nheads / ngroups times (80x for a 2.7B layer). At dstate 256 that
+    product is about twice the rest of the block's arithmetic. ``compute_out_heads_kernel``
+    gives a block HEADS_PER_BLOCK (HB) consecutive heads of one group: it forms each
+    (BLOCK_M, BLOCK_K) C B^T tile once and uses it for the HB heads through 3-d tiles with the
+    heads as a leading batch axis -- the weights (HB, BLOCK_M, BLOCK_K), x columns
+    (HB, BLOCK_K, BLOCK_P) and the accumulator (HB, BLOCK_M, BLOCK_P) -- and batched
+    ``ct.mma``s. Neighbouring heads are adjacent in x's (batch, seqlen, nheads, headdim) layout
+    (and in the entry states' and dt's), so their tiles are read with one load each, whose
+    ``order=`` puts the heads axis first. The grid shrinks by HB; each block does ~HB times the
+    work with one C B^T instead of HB.
+
+Operand order (SWAP)
+    ``SWAP=True`` computes every product transposed: C B^T as B_cols @ C_rows^T, the
+    accumulator as (BLOCK_P, BLOCK_M) += x_cols^T @ weights^T and the entry-state product as
+    state @ C_rows^T; the epilogue works in that orientation and the store writes it back
+    through ``order=``. The result is the same up to rounding. What changes is which tile is
+    the tensor cores' first operand: on Hopper (wgmma) only the first operand may come from
+    registers (the weights are computed in registers), on Blackwell (tcgen05) the first may
+    come from tensor memory while the second must be in shared memory, and the instruction
+    shape (M = the first operand's rows) differs too. Which order is faster is measured.
+
+Tunables (``default_config`` / ``search_space``)
+    Tiles (BLOCK_M, BLOCK_K, BLOCK_P, DSTATE_TILE), HEADS_PER_BLOCK, SWAP, LOAD_LAT /
+    STORE_LAT (latency hints on the x, B, C, z and entry-state loads and on the output store;
+    0 = none), and the compiler hints occupancy and num_ctas (``kernel.replace_hints``). The
+    default config is the kernel described first, as measured above.
+
 Precision
     16-bit inputs: C, B, the entry state and the weights are rounded to 16 bits for the
     products (as in mamba_ssm), all accumulation is float32. float32 inputs: float32 operands
@@ -51,9 +86,9 @@ import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import new_output
+from .chunk_cumsum import latency_hint, new_output, resolve_config, unique, with_hints
 from .fwd_pass_state import check_sizes
-from .launch import launch
+from .launch import fit_index_width, launch
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -65,7 +100,43 @@ NEG_INF = -math.inf
 # load -> product -> exp2 -> product), so several blocks per multiprocessor must overlap: at
 # 128K tokens (h=80, p=64, n=128, bf16) 64-row tiles took 10.9 ms with the compiler's default,
 # 5.8 ms at 2 and 4.6 ms at 3 blocks per multiprocessor on an H200. Other targets: the default.
+# (A config's ``occupancy`` replaces this hint on every target.)
 OCCUPANCY = ct.ByTarget(sm_90=3)
+
+
+# Helpers called from the kernels. Plain functions are compiled into the kernel that calls them;
+# their Constant arguments stay compile-time constants.
+
+def along_rows(v, SWAP):
+    """A per-output-row (token l) vector, shaped to broadcast over the product tiles: the rows
+    are the second-to-last axis of (.., BLOCK_M, n) tiles, the last axis of the transposed
+    (SWAP) ones (.., n, BLOCK_M)."""
+    return ct.expand_dims(v, -2) if SWAP else ct.expand_dims(v, -1)
+
+
+def along_cols(v, SWAP):
+    """A per-column vector (source token s, or headdim column), shaped the other way."""
+    return ct.expand_dims(v, -1) if SWAP else ct.expand_dims(v, -2)
+
+
+def rows_by_cols(rows_op, cols_op, acc, SWAP):
+    """rows_op (M, K) @ cols_op^T (K, N) + acc -> (M, N); with SWAP the transposed product
+    cols_op @ rows_op^T + acc -> (N, M): the same numbers, the operands' roles exchanged."""
+    if SWAP:
+        return ct.mma(cols_op, ct.transpose(rows_op), acc)
+    return ct.mma(rows_op, ct.transpose(cols_op), acc)
+
+
+def load_rows(array, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT):
+    """BLOCK_M tokens x BLOCK_P headdim columns of head h of a (batch, seqlen, nheads, headdim)
+    array, as float32, in the accumulator's orientation ((BLOCK_P, BLOCK_M) with SWAP)."""
+    if SWAP:
+        t = ct.load(array, (b, h, pi, row_tile), shape=(1, 1, BLOCK_P, BLOCK_M),
+                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
+        return ct.reshape(t, (BLOCK_P, BLOCK_M)).astype(ct.float32)
+    t = ct.load(array, (b, row_tile, h, pi), shape=(1, BLOCK_M, 1, BLOCK_P), padding_mode=ZERO,
+                latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (BLOCK_M, BLOCK_P)).astype(ct.float32)
 
 
 @ct.kernel(occupancy=OCCUPANCY)
@@ -91,6 +162,9 @@ def compute_out_kernel(
     D_HAS_HDIM: ConstBool,
     HAS_Z: ConstBool,
     HAS_SEQ_IDX: ConstBool,
+    SWAP: ConstBool,                    # transposed products (see "Operand order")
+    LOAD_LAT: ConstInt,                 # latency hint of the x, B, C, z, state loads; 0 = none
+    STORE_LAT: ConstInt,                # latency hint of the output store; 0 = none
 ):
     # Arrays that grow with the sequence are IndexedWithInt64 so that element offsets past
     # 2**31 (x of a 512K-token sequence already has more elements than that) are computed in
@@ -108,26 +182,33 @@ def compute_out_kernel(
     seqlen = x.shape[1]
     NK = DSTATE // DSTATE_TILE          # number of dstate slices (a constant)
     cdtype = C.dtype                     # operand dtype of the C products
+    lat = latency_hint(LOAD_LAT)
 
     dA_rows = ct.reshape(ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BLOCK_M)), (BLOCK_M,))
     rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)          # positions in the chunk
 
     # 1. The entry state read through C: (BLOCK_M, dstate) @ (dstate, BLOCK_P).
-    acc = ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32)
+    #    (With SWAP, every (BLOCK_M, BLOCK_P) tile below is held transposed.)
+    if SWAP:
+        acc = ct.zeros((BLOCK_P, BLOCK_M), dtype=ct.float32)
+    else:
+        acc = ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32)
     if NK == 1:
         # C rows stay in registers for the whole block (reused by every CB product below).
         c_rows = ct.reshape(ct.load(C, (b, row_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
-                                    padding_mode=ZERO), (BLOCK_M, DSTATE))
-        state = ct.load(entry_states, (b, c, h, pi, 0), shape=(1, 1, 1, BLOCK_P, DSTATE))
+                                    padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE))
+        state = ct.load(entry_states, (b, c, h, pi, 0), shape=(1, 1, 1, BLOCK_P, DSTATE),
+                        latency=lat)
         state = ct.reshape(state, (BLOCK_P, DSTATE)).astype(cdtype)
-        acc = ct.mma(c_rows, ct.transpose(state), acc)
+        acc = rows_by_cols(c_rows, state, acc, SWAP)
     else:
         for k in range(NK):
             c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
-                                     padding_mode=ZERO), (BLOCK_M, DSTATE_TILE))
-            state = ct.load(entry_states, (b, c, h, pi, k), shape=(1, 1, 1, BLOCK_P, DSTATE_TILE))
+                                     padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
+            state = ct.load(entry_states, (b, c, h, pi, k), shape=(1, 1, 1, BLOCK_P, DSTATE_TILE),
+                            latency=lat)
             state = ct.reshape(state, (BLOCK_P, DSTATE_TILE)).astype(cdtype)
-            acc = ct.mma(c_k, ct.transpose(state), acc)
+            acc = rows_by_cols(c_k, state, acc, SWAP)
 
     row_scale = ct.exp2(dA_rows)
     if HAS_SEQ_IDX:
@@ -138,65 +219,287 @@ def compute_out_kernel(
         prev = ct.load(seq_idx, (b, max(c * CHUNK - 1, 0)), shape=())
         prev = ct.where(c == 0, 0, prev)
         row_scale = ct.where(seq_rows == prev, row_scale, 0.0)
-    acc = acc * row_scale[:, None]
+    acc = acc * along_rows(row_scale, SWAP)
 
     # 2. Inside the chunk: column tiles up to the one holding this tile's last row, and none
     #    that lies entirely past the end of the sequence.
     n_cols = min(ct.cdiv((m + 1) * BLOCK_M, BLOCK_K), ct.cdiv(seqlen - c * CHUNK, BLOCK_K))
     for j in range(n_cols):
         col_tile = c * (CHUNK // BLOCK_K) + j       # BLOCK_K-token tile of the whole sequence
-        if NK == 1:
-            b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                                        padding_mode=ZERO), (BLOCK_K, DSTATE)).astype(cdtype)
-            cb = ct.mma(c_rows, ct.transpose(b_cols), ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32))
+        # cb = C_rows @ B_cols^T, (BLOCK_M, BLOCK_K) (transposed with SWAP).
+        if SWAP:
+            cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
         else:
             cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
+        if NK == 1:
+            b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                                        padding_mode=ZERO, latency=lat),
+                                (BLOCK_K, DSTATE)).astype(cdtype)
+            cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
+        else:
             for k in range(NK):
                 c_k = ct.reshape(ct.load(C, (b, row_tile, g, k),
-                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO),
-                                 (BLOCK_M, DSTATE_TILE))
+                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO,
+                                         latency=lat), (BLOCK_M, DSTATE_TILE))
                 b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
-                                         shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO),
-                                 (BLOCK_K, DSTATE_TILE)).astype(cdtype)
-                cb = ct.mma(c_k, ct.transpose(b_k), cb)
+                                         shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
+                                         latency=lat), (BLOCK_K, DSTATE_TILE)).astype(cdtype)
+                cb = rows_by_cols(c_k, b_k, cb, SWAP)
 
         dA_cols = ct.reshape(ct.load(dA_cumsum, (b, h, c, j), shape=(1, 1, 1, BLOCK_K)),
                              (BLOCK_K,))
         dt_cols = ct.reshape(ct.load(dt_out, (b, h, c, j), shape=(1, 1, 1, BLOCK_K)), (BLOCK_K,))
         cols = j * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
-        keep = rows[:, None] >= cols[None, :]
+        keep = along_rows(rows, SWAP) >= along_cols(cols, SWAP)
         if HAS_SEQ_IDX:
             seq_cols = ct.reshape(ct.load(seq_idx, (b, col_tile), shape=(1, BLOCK_K),
                                           padding_mode=ZERO), (BLOCK_K,))
-            keep = keep & (seq_rows[:, None] == seq_cols[None, :])
+            keep = keep & (along_rows(seq_rows, SWAP) == along_cols(seq_cols, SWAP))
         # Mask before exp2: dropped pairs get -inf (weight 0), kept ones an exponent <= 0.
-        expo = ct.where(keep, ct.minimum(dA_rows[:, None] - dA_cols[None, :], 0.0), NEG_INF)
-        weights = cb * ct.exp2(expo) * dt_cols[None, :]
+        expo = ct.where(keep, ct.minimum(along_rows(dA_rows, SWAP) - along_cols(dA_cols, SWAP),
+                                         0.0), NEG_INF)
+        weights = (cb * ct.exp2(expo) * along_cols(dt_cols, SWAP)).astype(x.dtype)
 
         x_cols = ct.reshape(ct.load(x, (b, col_tile, h, pi), shape=(1, BLOCK_K, 1, BLOCK_P),
-                                    padding_mode=ZERO), (BLOCK_K, BLOCK_P))
-        acc = ct.mma(weights.astype(x.dtype), x_cols, acc)
+                                    padding_mode=ZERO, latency=lat), (BLOCK_K, BLOCK_P))
+        if SWAP:
+            acc = ct.mma(ct.transpose(x_cols), weights, acc)    # (P, K) @ (K, M)
+        else:
+            acc = ct.mma(weights, x_cols, acc)                  # (M, K) @ (K, P)
 
     # 3. Skip connection and gate, in float32.
     if HAS_D:
-        x_rows = ct.reshape(ct.load(x, (b, row_tile, h, pi), shape=(1, BLOCK_M, 1, BLOCK_P),
-                                    padding_mode=ZERO), (BLOCK_M, BLOCK_P)).astype(ct.float32)
+        x_rows = load_rows(x, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT)
         if D_HAS_HDIM:
             d = ct.reshape(ct.load(D, (h, pi), shape=(1, BLOCK_P)), (BLOCK_P,)).astype(ct.float32)
-            acc = acc + x_rows * d[None, :]
+            acc = acc + x_rows * along_cols(d, SWAP)
         else:
             d = ct.load(D, (h,), shape=()).astype(ct.float32)
             acc = acc + x_rows * d
     if HAS_Z:
-        z_rows = ct.reshape(ct.load(z, (b, row_tile, h, pi), shape=(1, BLOCK_M, 1, BLOCK_P),
-                                    padding_mode=ZERO), (BLOCK_M, BLOCK_P)).astype(ct.float32)
+        z_rows = load_rows(z, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT)
         # silu(z) = z * sigmoid(z); for z -> -inf, exp(-z) -> inf and the product -> 0 (no NaN).
         acc = acc * (z_rows / (1.0 + ct.exp(-z_rows)))
 
-    # Rows past seqlen fall outside the array and are dropped by the store.
-    ct.store(out, (b, row_tile, h, pi),
-             ct.reshape(acc.astype(out.dtype), (1, BLOCK_M, 1, BLOCK_P)))
+    # Rows past seqlen fall outside the array and are dropped by the store. A transposed
+    # accumulator is written through order=(0, 2, 3, 1): out seen as (batch, nheads, headdim,
+    # seqlen), in which it is an ordinary (BLOCK_P, BLOCK_M) tile.
+    if SWAP:
+        ct.store(out, (b, h, pi, row_tile),
+                 ct.reshape(acc.astype(out.dtype), (1, 1, BLOCK_P, BLOCK_M)),
+                 order=(0, 2, 3, 1), latency=latency_hint(STORE_LAT))
+    else:
+        ct.store(out, (b, row_tile, h, pi),
+                 ct.reshape(acc.astype(out.dtype), (1, BLOCK_M, 1, BLOCK_P)),
+                 latency=latency_hint(STORE_LAT))
 
+
+# HEADS_PER_BLOCK > 1 -------------------------------------------------------------------------
+
+def load_head_rows(array, b, index, hb, pi, HB, BLOCK_T, BLOCK_P, SWAP, LOAD_LAT):
+    """BLOCK_T tokens (tile ``index`` of the sequence) x BLOCK_P headdim columns of heads
+    hb * HB .. hb * HB + HB - 1 of a (batch, seqlen, nheads, headdim) array: (HB, BLOCK_T,
+    BLOCK_P), or (HB, BLOCK_P, BLOCK_T) with SWAP. order= views the array with the heads axis
+    first ((batch, nheads, seqlen, headdim), or (batch, nheads, headdim, seqlen)), so one load
+    brings all HB heads, each already as the matrix the product or the epilogue wants."""
+    if SWAP:
+        t = ct.load(array, (b, hb, pi, index), shape=(1, HB, BLOCK_P, BLOCK_T),
+                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
+        return ct.reshape(t, (HB, BLOCK_P, BLOCK_T))
+    t = ct.load(array, (b, hb, index, pi), shape=(1, HB, BLOCK_T, BLOCK_P),
+                order=(0, 2, 1, 3), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (HB, BLOCK_T, BLOCK_P))
+
+
+def head(t, i):
+    """Head i of an (HB, m, n) tile, as an (m, n) tile."""
+    _, m, n = t.shape
+    return ct.reshape(ct.extract(t, (i, 0, 0), shape=(1, m, n)), (m, n))
+
+
+def per_head_mma(a, b, acc, HB, SHARED_A, TRANSPOSE_A):
+    """acc[i] + a[i] @ b[i] for every head i < HB, as HB two-dimensional products.
+
+    One batched (3-d) ``ct.mma`` computes the same, but for sm_90 the compiler lowers batched
+    products to warp-level mma.sync, while two-dimensional ones become warpgroup wgmma. The
+    loop has a constant trip count and is unrolled (for sm_90 this compiles to HGMMA, where the
+    batched form gave HMMA). ``SHARED_A``: ``a`` is one 2-d tile used for every head; ``TRANSPOSE_A``: use a[i]^T."""
+    _, m, n = acc.shape
+    for i in range(HB):
+        a_i = a if SHARED_A else head(a, i)
+        if TRANSPOSE_A:
+            a_i = ct.transpose(a_i)
+        acc_i = ct.mma(a_i, head(b, i), head(acc, i))
+        acc = ct.insert(acc, (i, 0, 0), ct.reshape(acc_i, (1, m, n)))
+    return acc
+
+
+def heads_state_product(c_rows, state, acc, HB, SWAP):
+    """acc + C_rows @ state^T for every head: c_rows (BLOCK_M, K), state (HB, BLOCK_P, K) ->
+    (HB, BLOCK_M, BLOCK_P). With SWAP the transposed product state @ C_rows^T is ONE 2-d
+    product, (HB * BLOCK_P, K) @ (K, BLOCK_M): the heads simply stack as more rows."""
+    _, bp, k = state.shape
+    bm = c_rows.shape[0]
+    if SWAP:
+        flat = ct.mma(ct.reshape(state, (HB * bp, k)), ct.transpose(c_rows),
+                      ct.reshape(acc, (HB * bp, bm)))
+        return ct.reshape(flat, (HB, bp, bm))
+    return per_head_mma(c_rows, ct.permute(state, (0, 2, 1)), acc, HB, True, False)
+
+
+@ct.kernel
+def compute_out_heads_kernel(
+    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
+    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    entry_states: ct.IndexedWithInt64,  # (batch, nchunks, nheads, headdim, dstate)
+    D,                                  # (nheads,) or (nheads, headdim); unread if not HAS_D
+    z: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim); unread if not HAS_Z
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    out: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim), x's dtype
+    heads_per_group: int,
+    CHUNK: ConstInt,
+    BLOCK_M: ConstInt,
+    BLOCK_K: ConstInt,
+    BLOCK_P: ConstInt,
+    DSTATE: ConstInt,
+    DSTATE_TILE: ConstInt,
+    HAS_D: ConstBool,
+    D_HAS_HDIM: ConstBool,
+    HAS_Z: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    SWAP: ConstBool,
+    LOAD_LAT: ConstInt,
+    STORE_LAT: ConstInt,
+    HEADS_PER_BLOCK: ConstInt,          # HB heads of one group per block (divides heads_per_group)
+):
+    # The one-head kernel above, with every per-head quantity given a leading axis of
+    # HEADS_PER_BLOCK heads; what does not depend on the head (C, B, C B^T, the masks) is
+    # computed once. See "Sharing C B^T between heads".
+    HB = HEADS_PER_BLOCK
+    n_hblocks = x.shape[2] // HB
+    n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
+    tile_id = ct.bid(0)
+    b = ct.bid(1)
+    hb = tile_id % n_hblocks             # head blocks vary fastest (L2 reuse of B and C)
+    pi = (tile_id // n_hblocks) % n_ptiles
+    row_tile = tile_id // (n_hblocks * n_ptiles)
+    c = row_tile // (CHUNK // BLOCK_M)
+    m = row_tile % (CHUNK // BLOCK_M)
+    g = (hb * HB) // heads_per_group     # HB divides heads_per_group: one group for all HB
+    seqlen = x.shape[1]
+    NK = DSTATE // DSTATE_TILE
+    cdtype = C.dtype
+    lat = latency_hint(LOAD_LAT)
+
+    # dA of the HB heads' rows: HB contiguous segments of the (batch, nheads, L) layout.
+    dA_rows = ct.reshape(ct.load(dA_cumsum, (b, hb, c, m), shape=(1, HB, 1, BLOCK_M)),
+                         (HB, BLOCK_M))
+    rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
+
+    # 1. Entry states: (HB, BLOCK_M, BLOCK_P), or (HB, BLOCK_P, BLOCK_M) with SWAP.
+    if SWAP:
+        acc = ct.zeros((HB, BLOCK_P, BLOCK_M), dtype=ct.float32)
+    else:
+        acc = ct.zeros((HB, BLOCK_M, BLOCK_P), dtype=ct.float32)
+    if NK == 1:
+        c_rows = ct.reshape(ct.load(C, (b, row_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
+                                    padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE))
+        # The HB heads' states are adjacent in (batch, nchunks, nheads, headdim, dstate).
+        state = ct.load(entry_states, (b, c, hb, pi, 0), shape=(1, 1, HB, BLOCK_P, DSTATE),
+                        latency=lat)
+        state = ct.reshape(state, (HB, BLOCK_P, DSTATE)).astype(cdtype)
+        acc = heads_state_product(c_rows, state, acc, HB, SWAP)
+    else:
+        for k in range(NK):
+            c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
+                                     padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
+            state = ct.load(entry_states, (b, c, hb, pi, k),
+                            shape=(1, 1, HB, BLOCK_P, DSTATE_TILE), latency=lat)
+            state = ct.reshape(state, (HB, BLOCK_P, DSTATE_TILE)).astype(cdtype)
+            acc = heads_state_product(c_k, state, acc, HB, SWAP)
+
+    row_scale = ct.exp2(dA_rows)                                     # (HB, BLOCK_M)
+    if HAS_SEQ_IDX:
+        seq_rows = ct.reshape(ct.load(seq_idx, (b, row_tile), shape=(1, BLOCK_M),
+                                      padding_mode=ZERO), (BLOCK_M,))
+        prev = ct.load(seq_idx, (b, max(c * CHUNK - 1, 0)), shape=())
+        prev = ct.where(c == 0, 0, prev)
+        row_scale = ct.where(seq_rows[None, :] == prev, row_scale, 0.0)
+    acc = acc * along_rows(row_scale, SWAP)
+
+    # 2. Inside the chunk.
+    n_cols = min(ct.cdiv((m + 1) * BLOCK_M, BLOCK_K), ct.cdiv(seqlen - c * CHUNK, BLOCK_K))
+    for j in range(n_cols):
+        col_tile = c * (CHUNK // BLOCK_K) + j
+        # C B^T: once for all HB heads.
+        if SWAP:
+            cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
+        else:
+            cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
+        if NK == 1:
+            b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                                        padding_mode=ZERO, latency=lat),
+                                (BLOCK_K, DSTATE)).astype(cdtype)
+            cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
+        else:
+            for k in range(NK):
+                c_k = ct.reshape(ct.load(C, (b, row_tile, g, k),
+                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO,
+                                         latency=lat), (BLOCK_M, DSTATE_TILE))
+                b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
+                                         shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
+                                         latency=lat), (BLOCK_K, DSTATE_TILE)).astype(cdtype)
+                cb = rows_by_cols(c_k, b_k, cb, SWAP)
+
+        dA_cols = ct.reshape(ct.load(dA_cumsum, (b, hb, c, j), shape=(1, HB, 1, BLOCK_K)),
+                             (HB, BLOCK_K))
+        dt_cols = ct.reshape(ct.load(dt_out, (b, hb, c, j), shape=(1, HB, 1, BLOCK_K)),
+                             (HB, BLOCK_K))
+        cols = j * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
+        keep = along_rows(rows, SWAP) >= along_cols(cols, SWAP)          # shared by the heads
+        if HAS_SEQ_IDX:
+            seq_cols = ct.reshape(ct.load(seq_idx, (b, col_tile), shape=(1, BLOCK_K),
+                                          padding_mode=ZERO), (BLOCK_K,))
+            keep = keep & (along_rows(seq_rows, SWAP) == along_cols(seq_cols, SWAP))
+        expo = ct.where(keep, ct.minimum(along_rows(dA_rows, SWAP) - along_cols(dA_cols, SWAP),
+                                         0.0), NEG_INF)                   # (HB, M, K) / (HB, K, M)
+        weights = (cb * ct.exp2(expo) * along_cols(dt_cols, SWAP)).astype(x.dtype)
+
+        x_cols = load_head_rows(x, b, col_tile, hb, pi, HB, BLOCK_K, BLOCK_P, False, LOAD_LAT)
+        if SWAP:
+            acc = per_head_mma(x_cols, weights, acc, HB, False, True)    # (P, K) @ (K, M)
+        else:
+            acc = per_head_mma(weights, x_cols, acc, HB, False, False)   # (M, K) @ (K, P)
+
+    # 3. Skip connection and gate.
+    if HAS_D:
+        x_rows = load_head_rows(x, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
+                                LOAD_LAT).astype(ct.float32)
+        if D_HAS_HDIM:
+            d = ct.load(D, (hb, pi), shape=(HB, BLOCK_P)).astype(ct.float32)
+            acc = acc + x_rows * along_cols(d, SWAP)
+        else:
+            d = ct.load(D, (hb,), shape=(HB,)).astype(ct.float32)
+            acc = acc + x_rows * d[:, None, None]
+    if HAS_Z:
+        z_rows = load_head_rows(z, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
+                                LOAD_LAT).astype(ct.float32)
+        acc = acc * (z_rows / (1.0 + ct.exp(-z_rows)))
+
+    # The HB heads' rows are written through the same heads-first views as the loads.
+    result = acc.astype(out.dtype)
+    if SWAP:
+        ct.store(out, (b, hb, pi, row_tile), ct.reshape(result, (1, HB, BLOCK_P, BLOCK_M)),
+                 order=(0, 2, 3, 1), latency=latency_hint(STORE_LAT))
+    else:
+        ct.store(out, (b, hb, row_tile, pi), ct.reshape(result, (1, HB, BLOCK_M, BLOCK_P)),
+                 order=(0, 2, 1, 3), latency=latency_hint(STORE_LAT))
+
+
+# Configs and launching -------------------------------------------------------------------------
 
 def pick_tiles(chunk_size, headdim, dstate, block_m=None, block_k=None, block_p=None,
                dstate_tile=None):
@@ -211,17 +514,140 @@ def pick_tiles(chunk_size, headdim, dstate, block_m=None, block_k=None, block_p=
     return bm, bk, bp, dt_
 
 
+def default_config(*, chunk_size, headdim, dstate, **_):
+    """Today's kernel: ``pick_tiles``' tiles, one head per block, natural operand order, no
+    latency hints, the kernel's own occupancy hint (3 on sm_90)."""
+    bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
+    return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1,
+                SWAP=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None, num_ctas=None)
+
+
+def _esize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
+    """(float32-register words, shared-memory bytes) a block needs, roughly.
+
+    Registers: the accumulator (HB x BLOCK_M x BLOCK_P), the weights and their exponent
+    (HB x BLOCK_M x BLOCK_K), the C B^T tile (BLOCK_M x BLOCK_K), and the C rows when they stay
+    resident (one dstate slice). Shared memory: the tensor-core operands of one column step
+    (B and x columns) twice (the next step's loads in flight), plus the C rows and the states."""
+    hb, bm, bk, bp = (cfg[k] for k in ("HEADS_PER_BLOCK", "BLOCK_M", "BLOCK_K", "BLOCK_P"))
+    dtile, es = cfg["DSTATE_TILE"], _esize(dtype)
+    resident_c = bm * dtile * es // 4 if dtile == dstate else 0
+    words = hb * bm * bp + hb * bm * bk + bm * bk + resident_c
+    smem = es * (bm * dtile + hb * bp * dtile + 2 * (bk * dtile + hb * bk * bp))
+    return words, smem
+
+
+REGISTER_WORDS = 64 * 1024     # 32-bit registers per multiprocessor (sm_80 .. sm_100)
+
+
+def fits(cfg, soft=False, **shape):
+    """Prune what obviously cannot run: more than 32K float32 words of live tiles per block
+    (128 KiB: 255 registers x 128 threads), ``occupancy`` blocks needing more than the
+    multiprocessor's 64K registers, or one block's operands exceeding the 227 KiB of shared
+    memory. ``soft=True`` asks instead whether it runs WELL, keeping a quarter of the register
+    file for operands in flight, addresses and temporaries: the default, 16K words at occupancy
+    3, uses 168 registers and does not spill on sm_90, while two heads of 64 x 64 (24K words) at
+    occupancy 2 already spill a little. ``occupancy`` None counts as 3 for one head per block
+    (the kernel's own hint on sm_90) and as 1 otherwise."""
+    words, smem = block_footprint(cfg, **shape)
+    occ = cfg["occupancy"] or (3 if cfg["HEADS_PER_BLOCK"] == 1 else 1)
+    budget = REGISTER_WORDS * 3 // 4 if soft else REGISTER_WORDS
+    return words <= 32 * 1024 and words * occ <= budget and smem <= 227 * 1024
+
+
+def heads_per_block_options(nheads, ngroups):
+    """1, 2, 4 where they divide the heads of a group (a block never spans two groups)."""
+    per_group = nheads // ngroups
+    return [hb for hb in (1, 2, 4) if per_group % hb == 0 and nheads % hb == 0]
+
+
+def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.bfloat16,
+                 **shape):
+    """Variants worth timing (about 35-40 for realistic shapes; the default comes first).
+
+    The core is HEADS_PER_BLOCK x SWAP x tiles (BLOCK_M, BLOCK_K in 32..128), each at the
+    highest occupancy (<= 3) its estimated register footprint allows (two heads: also one
+    less); around the default and the two-heads variant: other occupancies, latency hints and
+    2-CTA clusters; for dstate > 128 also the whole dstate in one slice (C rows resident)."""
+    kw = dict(chunk_size=chunk_size, headdim=headdim, dstate=dstate, dtype=dtype)
+    base = default_config(**kw)
+
+    def best_occupancy(cfg):
+        for occ in (3, 2, 1):
+            if fits({**cfg, "occupancy": occ}, soft=True, **kw):
+                return occ
+        return None
+
+    tiles = [(base["BLOCK_M"], base["BLOCK_K"])]
+    for bm, bk in ((128, 64), (64, 32), (32, 64), (32, 32)):
+        if bm <= chunk_size and bk <= chunk_size and (bm, bk) not in tiles:
+            tiles.append((bm, bk))
+    heads = heads_per_block_options(nheads, ngroups)
+
+    configs = [base]
+    for hb in heads:
+        for swap in (False, True):
+            for bm, bk in tiles:
+                # 32 x 32 tiles only pay off with four heads' work per block; 128 rows only
+                # with one head (more would not fit).
+                if (bm * bk == 32 * 32 and hb < 4) or (bm == 128 and hb > 1):
+                    continue
+                cfg = {**base, "HEADS_PER_BLOCK": hb, "SWAP": swap, "BLOCK_M": bm, "BLOCK_K": bk}
+                occ = best_occupancy(cfg)
+                if occ is None:
+                    continue
+                if hb == 1:
+                    # 3 is the kernel's own hint on sm_90: keep None (the default) for it.
+                    configs.append({**cfg, "occupancy": None if occ == 3 else occ})
+                elif hb == 2:
+                    # The compiler's register allocation is harder to predict here (it picks
+                    # 128..384 threads), so also try one block fewer per multiprocessor.
+                    configs += [{**cfg, "occupancy": o} for o in (occ, occ - 1) if o >= 1]
+                else:
+                    # Four heads at one block fewer: 384 threads that spill hundreds of
+                    # registers on sm_90 (tests/benchmark/compile_all.py), not worth timing.
+                    configs.append({**cfg, "occupancy": occ})
+    anchors = [base] + ([{**base, "HEADS_PER_BLOCK": 2, "occupancy": best_occupancy(
+        {**base, "HEADS_PER_BLOCK": 2})}] if 2 in heads else [])
+    for anchor in anchors:
+        one_head = anchor["HEADS_PER_BLOCK"] == 1
+        configs += [{**anchor, "occupancy": occ} for occ in ((2, 4) if one_head else (1, 2))]
+        configs += [{**anchor, "LOAD_LAT": ll, "STORE_LAT": sl}
+                    for ll, sl in (((3, 0), (8, 0), (0, 8)) if one_head else ((8, 0), (0, 8)))]
+        configs.append({**anchor, "num_ctas": 2})
+        if dstate > 128:
+            configs.append({**anchor, "DSTATE_TILE": dstate})
+    return unique([c for c in configs if fits(c, **kw)])
+
+
 def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,
-                     block_m=None, block_k=None, block_p=None, dstate_tile=None, poison=False):
-    """Allocate the output and build (grid, kernel, args, out) without launching."""
+                     block_m=None, block_k=None, block_p=None, dstate_tile=None, poison=False,
+                     config=None):
+    """Allocate the output and build (grid, kernel, args, out) without launching.
+
+    ``config``: a dict from ``search_space`` (or part of one; missing keys take
+    ``default_config``'s values for this shape). ``block_*`` / ``dstate_tile``, when given,
+    override the config's tiles. The returned kernel is ``compute_out_kernel`` (one head per
+    block) or ``compute_out_heads_kernel``, carrying the config's compiler hints."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     check_sizes(headdim, dstate)
     if nheads % ngroups:
         raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
     chunk_size = dt_out.shape[3]
-    bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate, block_m, block_k, block_p,
-                                   dstate_tile)
+    cfg = resolve_config(config, default_config(chunk_size=chunk_size, headdim=headdim,
+                                                dstate=dstate))
+    bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate, block_m or cfg["BLOCK_M"],
+                                   block_k or cfg["BLOCK_K"], block_p or cfg["BLOCK_P"],
+                                   dstate_tile or cfg["DSTATE_TILE"])
+    hb = cfg["HEADS_PER_BLOCK"]
+    if hb not in heads_per_block_options(nheads, ngroups):
+        raise ValueError(f"HEADS_PER_BLOCK ({hb}) must be 1, 2 or 4 and divide the "
+                         f"{nheads // ngroups} heads of a group")
 
     out = new_output(x.shape, x.dtype, x.device, poison)
     if seq_idx is not None and seq_idx.dtype != torch.int32:
@@ -233,16 +659,23 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
             seq_idx if seq_idx is not None else dt_out,
             out,
             nheads // ngroups, chunk_size, bm, bk, bp, dstate, dtile,
-            D is not None, D is not None and D.dim() == 2, z is not None, seq_idx is not None)
-    grid = (nheads * (-(-headdim // bp)) * (-(-seqlen // bm)), batch)
-    return grid, compute_out_kernel, args, out
+            D is not None, D is not None and D.dim() == 2, z is not None, seq_idx is not None,
+            bool(cfg["SWAP"]), cfg["LOAD_LAT"], cfg["STORE_LAT"])
+    if hb == 1:
+        kernel = compute_out_kernel
+    else:
+        kernel = compute_out_heads_kernel
+        args = args + (hb,)
+    grid = ((nheads // hb) * (-(-headdim // bp)) * (-(-seqlen // bm)), batch)
+    return grid, with_hints(fit_index_width(kernel, args), cfg), args, out
 
 
 def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,
-                poison=False):
+                poison=False, config=None):
     """-> out (b, L, h, p) in x's dtype. Inputs must be contiguous; dA_cumsum in log2 units.
-    ``poison=True`` NaN-fills the output first (for tests)."""
+    ``poison=True`` NaN-fills the output first (for tests). ``config`` picks a variant (see
+    ``search_space``); None is ``default_config``."""
     grid, kernel, args, out = compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D, z,
-                                               seq_idx, poison=poison)
+                                               seq_idx, poison=poison, config=config)
     launch(grid, kernel, args)
     return out

@@ -7,11 +7,18 @@
 The same code runs on both backends: ``ops.launch.launch`` compiles and launches on CUDA
 tensors and interprets on CPU tensors. Inputs arrive checked and contiguous from
 ``ops.ssd_combined.mamba_chunk_scan_combined``.
+
+Each kernel takes a config (tile sizes, variants, compiler hints: see each module's
+``default_config`` and ``search_space``); ``configs`` maps a kernel's name to its config, and a
+missing kernel (or a missing key of a config) takes the default.
 """
 import math
 
 import torch
 
+from . import chunk_cumsum as _cumsum_mod
+from . import compute_out as _out_mod
+from . import fwd_pass_state as _state_mod
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import check_sizes, fwd_pass_state
@@ -21,22 +28,70 @@ from .fwd_pass_state import check_sizes, fwd_pass_state
 POISON_OUTPUTS = False
 
 
+KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
+_MODULES = {"chunk_cumsum": _cumsum_mod, "fwd_pass_state": _state_mod, "compute_out": _out_mod}
+
+
+def _config(name, configs, shape, features, run):
+    """The config a kernel runs with: the one given, else (on a GPU, with tuning on) the
+    autotuner's choice for this shape, else the default. ``run(config)`` launches the kernel."""
+    if name in configs:
+        return configs[name]
+    module = _MODULES[name]
+    default = module.default_config(**shape)
+    if not shape["on_gpu"]:
+        return default                      # the interpreter is not timed: defaults only
+    from .autotune import enabled, seqlen_bucket, tuner
+    if not enabled():
+        return default
+    key = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+           for k, v in shape.items() if k != "on_gpu"}
+    key["seqlen"] = seqlen_bucket(shape["seqlen"])
+    key["features"] = features
+    space = module.search_space(**{k: v for k, v in shape.items() if k != "on_gpu"})
+    return tuner().best(name, key, space, default, run)
+
+
 def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
-                   dt_limit=(0.0, math.inf)):
-    """-> (out (b, L, h, p) in x's dtype, final_states (b, h, p, n) float32)."""
+                   dt_limit=(0.0, math.inf), configs=None):
+    """-> (out (b, L, h, p) in x's dtype, final_states (b, h, p, n) float32).
+
+    ``configs``: ``{"chunk_cumsum": {...}, "fwd_pass_state": {...}, "compute_out": {...}}``,
+    any of them optional. A kernel without a config runs its default on the CPU interpreter,
+    and on a GPU the autotuner's choice for the shape (``ops/autotune.py``; tuned on first use,
+    then cached; ``MAMBA2_CUTILE_AUTOTUNE=0`` for the defaults)."""
     check_sizes(headdim=x.shape[3], dstate=B.shape[3])   # before anything runs
+    configs = dict(configs or {})
+    unknown = set(configs) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"configs for unknown kernels {sorted(unknown)}; expected {KERNELS}")
     if seq_idx is not None and seq_idx.dtype != torch.int32:
         seq_idx = seq_idx.to(torch.int32)   # ids are small; the kernels compare int32
-    dt_out, dA_cumsum = chunk_cumsum(dt, A, chunk_size, dt_bias=dt_bias,
-                                     dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                     poison=POISON_OUTPUTS)
+    batch, seqlen, nheads, headdim = x.shape
+    shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=B.shape[2],
+                 dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype, states_dtype=x.dtype,
+                 on_gpu=x.is_cuda)
+    features = "".join(flag for flag, on in (("D", D is not None), ("z", z is not None),
+                                             ("s", seq_idx is not None), ("i", initial_states is not None)) if on)
+
+    cumsum_args = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    cfg = _config("chunk_cumsum", configs, shape, features,
+                  lambda c: chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
+    dt_out, dA_cumsum = chunk_cumsum(dt, A, chunk_size, **cumsum_args, poison=POISON_OUTPUTS, config=cfg)
+
     # Entry states are stored in x's dtype: compute_out rounds them to C's (== x's) dtype for
     # its product anyway, so 16-bit storage changes nothing but halves the traffic (mamba_ssm
     # does the same). The final state stays float32.
-    entry_states, final_states = fwd_pass_state(x, B, dt_out, dA_cumsum,
-                                                initial_states=initial_states, seq_idx=seq_idx,
-                                                states_dtype=x.dtype, poison=POISON_OUTPUTS)
-    out = compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=D, z=z, seq_idx=seq_idx,
-                      poison=POISON_OUTPUTS)
+    state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=x.dtype)
+    cfg = _config("fwd_pass_state", configs, shape, features,
+                  lambda c: fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
+    entry_states, final_states = fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args,
+                                                poison=POISON_OUTPUTS, config=cfg)
+
+    out_args = dict(D=D, z=z, seq_idx=seq_idx)
+    cfg = _config("compute_out", configs, shape, features,
+                  lambda c: compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, config=c))
+    out = compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, poison=POISON_OUTPUTS,
+                      config=cfg)
     return out, final_states

@@ -36,6 +36,26 @@ Parallelism
     version needs more memory in flight per block (several chunks per iteration) or a parallel
     chunk-state pass ahead of a light sequential one, as mamba_ssm does.
 
+Layouts
+    dt and the decay cumsum come from chunk_cumsum as (batch, nheads, nchunks, CHUNK): one
+    contiguous run of (padded) tokens per head, so a block reads its head's chunk of each as one
+    contiguous CHUNK * 4-byte segment (in the (batch, seqlen, nheads) layout of the input dt the
+    same values would lie nheads * 4 bytes apart). x and B are read as (CHUNK, BLOCK_P) and
+    (CHUNK, BLOCK_N) tiles whose rows are contiguous runs of headdim / dstate.
+
+Variants (``default_config`` / ``search_space``)
+    CHUNKS_PER_ITER=2 loads two chunks' inputs at the top of each loop iteration, then folds
+    them in order: twice the bytes in flight per block, which is what a latency-bound block with
+    few neighbours needs (the two products are independent of the running state, so they can
+    overlap the folds). It needs registers for a second product: with the default 64 x 128 tile
+    it spills heavily, so the search space pairs it with smaller tiles.
+    SWAP=True computes the transposed chunk state, (BLOCK_N, BLOCK_P) = B^T @ (x * w), carries
+    the running state transposed and writes it through ``order=`` (the same memory layout):
+    the tensor cores then take B, straight from shared memory, as the first operand and the
+    weighted x (computed in registers) as the second; which order the compiler serves better is
+    measured, not guessed. Latency hints (LOAD_LAT on x, B and the initial state; STORE_LAT on
+    the entry states), tile sizes and the compiler hints occupancy / num_ctas complete the space.
+
 Packed sequences (seq_idx)
     Only tokens of the sequence that the chunk's last token belongs to write the chunk's state,
     and the carried state is dropped (not decayed) when the chunk's last token belongs to a
@@ -51,12 +71,95 @@ import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import new_output
-from .launch import launch
+from .chunk_cumsum import latency_hint, new_output, resolve_config, unique, with_hints
+from .launch import fit_index_width, launch
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
+
+
+# Helpers called from the kernel below. Plain functions are compiled into the kernel that calls
+# them (inlined); their Constant arguments stay compile-time constants.
+
+def load_state(initial_states, b, h, pi, ni, BLOCK_P, BLOCK_N, SWAP, LOAD_LAT):
+    """One head's initial state tile as float32: (BLOCK_P, BLOCK_N), or (BLOCK_N, BLOCK_P) when
+    SWAP (order=(0, 1, 3, 2) views the (b, h, headdim, dstate) array as (b, h, dstate, headdim))."""
+    if SWAP:
+        t = ct.load(initial_states, (b, h, ni, pi), shape=(1, 1, BLOCK_N, BLOCK_P),
+                    order=(0, 1, 3, 2), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
+        return ct.reshape(t, (BLOCK_N, BLOCK_P)).astype(ct.float32)
+    t = ct.load(initial_states, (b, h, pi, ni), shape=(1, 1, BLOCK_P, BLOCK_N),
+                padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (BLOCK_P, BLOCK_N)).astype(ct.float32)
+
+
+def store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT):
+    """Write the running state as chunk c's entry state. A transposed (SWAP) state goes through
+    order=(0, 1, 2, 4, 3), which maps its (dstate, headdim) axes onto the array's
+    (headdim, dstate) ones: the layout in memory is the same either way.
+    (Tiles past headdim / dstate are dropped.)"""
+    if SWAP:
+        ct.store(entry_states, (b, c, h, ni, pi),
+                 ct.reshape(running, (1, 1, 1, BLOCK_N, BLOCK_P)).astype(entry_states.dtype),
+                 order=(0, 1, 2, 4, 3), latency=latency_hint(STORE_LAT))
+    else:
+        ct.store(entry_states, (b, c, h, pi, ni),
+                 ct.reshape(running, (1, 1, 1, BLOCK_P, BLOCK_N)).astype(entry_states.dtype),
+                 latency=latency_hint(STORE_LAT))
+
+
+def store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP):
+    if SWAP:
+        ct.store(final_states, (b, h, ni, pi), ct.reshape(running, (1, 1, BLOCK_N, BLOCK_P)),
+                 order=(0, 1, 3, 2))
+    else:
+        ct.store(final_states, (b, h, pi, ni), ct.reshape(running, (1, 1, BLOCK_P, BLOCK_N)))
+
+
+def chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, dtype,
+                 CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT):
+    """Chunk c's x (CHUNK, BLOCK_P), B (CHUNK, BLOCK_N), dA and dt (CHUNK,). None of them
+    depends on the running state, so they can be loaded ahead of the fold."""
+    # The last chunk may be partial: zero padding gives x = B = 0 there (and dt is 0 too).
+    xt = ct.load(x, (b, c, h, pi), shape=(1, CHUNK, 1, BLOCK_P), padding_mode=ZERO,
+                 latency=latency_hint(LOAD_LAT))
+    xt = ct.reshape(xt, (CHUNK, BLOCK_P))
+    bt = ct.load(B, (b, c, g, ni), shape=(1, CHUNK, 1, BLOCK_N), padding_mode=ZERO,
+                 latency=latency_hint(LOAD_LAT))
+    bt = ct.reshape(bt, (CHUNK, BLOCK_N)).astype(dtype)
+    # One head's dA / dt of one chunk: a contiguous CHUNK * 4-byte segment (see "Layouts").
+    dA = ct.reshape(ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, CHUNK)), (CHUNK,))
+    dt = ct.reshape(ct.load(dt_out, (b, h, c, 0), shape=(1, 1, 1, CHUNK)), (CHUNK,))
+    return xt, bt, dA, dt
+
+
+def fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b, c, seqlen,
+               CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, SWAP):
+    """running -> exp2(dA[last]) * running + chunk state; returns (running, running_seq)."""
+    # Decay from each token to the end of the chunk. The exponent is <= 0 for A <= 0;
+    # the clamp makes sure exp2 can never overflow whatever the rounding.
+    dA_last = ct.extract(dA, (CHUNK - 1,), shape=(1,)).item()
+    w = ct.exp2(ct.minimum(dA_last - dA, 0.0)) * dt
+    chunk_decay = ct.exp2(dA_last)
+
+    if HAS_SEQ_IDX:
+        last_token = min((c + 1) * CHUNK, seqlen) - 1
+        seq_last = ct.load(seq_idx, (b, last_token), shape=())
+        seq = ct.reshape(ct.load(seq_idx, (b, c), shape=(1, CHUNK), padding_mode=ZERO),
+                         (CHUNK,))
+        w = ct.where(seq == seq_last, w, 0.0)       # other sequences don't write
+        chunk_decay = ct.where(seq_last == running_seq, chunk_decay, 0.0)
+        running_seq = seq_last
+
+    xw = (xt.astype(ct.float32) * w[:, None]).astype(xt.dtype)
+    if SWAP:
+        # B^T @ (x * w): a (BLOCK_N, CHUNK) x (CHUNK, BLOCK_P) product; the state is transposed.
+        chunk_state = ct.mma(ct.transpose(bt), xw, ct.zeros((BLOCK_N, BLOCK_P), dtype=ct.float32))
+    else:
+        # (x * w)^T @ B: a (BLOCK_P, CHUNK) x (CHUNK, BLOCK_N) product on the tensor cores.
+        chunk_state = ct.mma(ct.transpose(xw), bt, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
+    return chunk_decay * running + chunk_state, running_seq
 
 
 @ct.kernel
@@ -75,6 +178,10 @@ def fwd_pass_state_kernel(
     BLOCK_N: ConstInt,
     HAS_INIT: ConstBool,
     HAS_SEQ_IDX: ConstBool,
+    SWAP: ConstBool,                      # carry the state transposed: (BLOCK_N, BLOCK_P)
+    CHUNKS_PER_ITER: ConstInt,            # 1 or 2 chunks loaded and folded per loop iteration
+    LOAD_LAT: ConstInt,                   # latency hint of the x, B, initial state loads; 0 = none
+    STORE_LAT: ConstInt,                  # latency hint of the entry state stores; 0 = none
 ):
     # Every array that grows with the sequence is IndexedWithInt64: offsets like
     # token * nheads * headdim exceed 2**31 for long sequences, so shapes, strides and tile
@@ -90,47 +197,51 @@ def fwd_pass_state_kernel(
     nchunks = dt_out.shape[2]
 
     if HAS_INIT:
-        running = ct.load(initial_states, (b, h, pi, ni), shape=(1, 1, BLOCK_P, BLOCK_N),
-                          padding_mode=ZERO)
-        running = ct.reshape(running, (BLOCK_P, BLOCK_N)).astype(ct.float32)
+        running = load_state(initial_states, b, h, pi, ni, BLOCK_P, BLOCK_N, SWAP, LOAD_LAT)
+    elif SWAP:
+        running = ct.zeros((BLOCK_N, BLOCK_P), dtype=ct.float32)
     else:
         running = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     running_seq = ct.zeros((), dtype=ct.int32)   # id of the sequence the running state belongs to
 
-    for c in range(nchunks):
-        # The state this chunk starts from. (Tiles past headdim / dstate are dropped.)
-        ct.store(entry_states, (b, c, h, pi, ni),
-                 ct.reshape(running, (1, 1, 1, BLOCK_P, BLOCK_N)).astype(entry_states.dtype))
+    if CHUNKS_PER_ITER == 1:
+        for c in range(nchunks):
+            # The state this chunk starts from. (Tiles past headdim / dstate are dropped.)
+            store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
+            xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
+                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+            running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
+                                              c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
+                                              SWAP)
+    else:
+        # Two chunks per iteration: both chunks' loads are issued before either is folded in,
+        # so twice the bytes are in flight while the block waits, and the second chunk's
+        # product (independent of the running state) can overlap the first one's fold.
+        for pair in range(nchunks // 2):
+            c = 2 * pair
+            x0, b0, dA0, dt0 = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni,
+                                            x.dtype, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+            x1, b1, dA1, dt1 = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c + 1, pi, ni,
+                                            x.dtype, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+            store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
+            running, running_seq = fold_chunk(running, running_seq, x0, b0, dA0, dt0, seq_idx,
+                                              b, c, seqlen, CHUNK, BLOCK_P, BLOCK_N,
+                                              HAS_SEQ_IDX, SWAP)
+            store_entry(entry_states, b, c + 1, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP,
+                        STORE_LAT)
+            running, running_seq = fold_chunk(running, running_seq, x1, b1, dA1, dt1, seq_idx,
+                                              b, c + 1, seqlen, CHUNK, BLOCK_P, BLOCK_N,
+                                              HAS_SEQ_IDX, SWAP)
+        if nchunks % 2 == 1:        # an odd number of chunks: the last one on its own
+            c = nchunks - 1
+            store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
+            xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
+                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+            running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
+                                              c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
+                                              SWAP)
 
-        # The last chunk may be partial: zero padding gives x = B = 0 there (and dt is 0 too).
-        xt = ct.load(x, (b, c, h, pi), shape=(1, CHUNK, 1, BLOCK_P), padding_mode=ZERO)
-        xt = ct.reshape(xt, (CHUNK, BLOCK_P))
-        bt = ct.load(B, (b, c, g, ni), shape=(1, CHUNK, 1, BLOCK_N), padding_mode=ZERO)
-        bt = ct.reshape(bt, (CHUNK, BLOCK_N)).astype(x.dtype)
-        dA = ct.reshape(ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, CHUNK)), (CHUNK,))
-        dt = ct.reshape(ct.load(dt_out, (b, h, c, 0), shape=(1, 1, 1, CHUNK)), (CHUNK,))
-
-        # Decay from each token to the end of the chunk. The exponent is <= 0 for A <= 0;
-        # the clamp makes sure exp2 can never overflow whatever the rounding.
-        dA_last = ct.extract(dA, (CHUNK - 1,), shape=(1,)).item()
-        w = ct.exp2(ct.minimum(dA_last - dA, 0.0)) * dt
-        chunk_decay = ct.exp2(dA_last)
-
-        if HAS_SEQ_IDX:
-            last_token = min((c + 1) * CHUNK, seqlen) - 1
-            seq_last = ct.load(seq_idx, (b, last_token), shape=())
-            seq = ct.reshape(ct.load(seq_idx, (b, c), shape=(1, CHUNK), padding_mode=ZERO),
-                             (CHUNK,))
-            w = ct.where(seq == seq_last, w, 0.0)       # other sequences don't write
-            chunk_decay = ct.where(seq_last == running_seq, chunk_decay, 0.0)
-            running_seq = seq_last
-
-        # (x * w)^T @ B: a (BLOCK_P, CHUNK) x (CHUNK, BLOCK_N) product on the tensor cores.
-        xw = (xt.astype(ct.float32) * w[:, None]).astype(x.dtype)
-        chunk_state = ct.mma(ct.transpose(xw), bt, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
-        running = chunk_decay * running + chunk_state
-
-    ct.store(final_states, (b, h, pi, ni), ct.reshape(running, (1, 1, BLOCK_P, BLOCK_N)))
+    store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP)
 
 
 def _pow2_in(value, lo, hi):
@@ -154,16 +265,89 @@ def pick_tiles(headdim, dstate, states_dtype, block_p=None, block_n=None):
     return bp, bn
 
 
+def _esize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def default_config(*, headdim, dstate, dtype=torch.bfloat16, states_dtype=None, **_):
+    """Today's kernel: ``pick_tiles``' tiles, one chunk per iteration, no hints. ``states_dtype``
+    (the entry states') defaults to ``dtype``, as ``ops.forward`` stores them."""
+    bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype)
+    return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0,
+                occupancy=None, num_ctas=None)
+
+
+def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
+    """A rough budget that prunes tiles the chip cannot hold well (not a precise model).
+
+    Registers: the float32 running state plus one chunk product per chunk in flight,
+    (1 + CHUNKS_PER_ITER) * BLOCK_P * BLOCK_N floats, at most 16K (64 KiB, half of what 128
+    threads at 255 registers hold: the inputs and addresses need the rest). The default 64 x 128
+    tile sits exactly there (255 registers, no spills, on sm_90); two chunks of it in flight
+    spill ~1000 registers, two chunks of 64 x 64 none. Shared memory: one chunk's x and B tiles
+    per chunk in flight, at most 200 KiB of the 227 KiB an H200 block may use."""
+    bp, bn, k = cfg["BLOCK_P"], cfg["BLOCK_N"], cfg["CHUNKS_PER_ITER"]
+    regs = (1 + k) * bp * bn * 4
+    smem = k * chunk_size * (bp + bn) * _esize(dtype)
+    return regs <= 64 * 1024 and smem <= 200 * 1024
+
+
+def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
+    """Variants worth timing (about 20-25 for realistic shapes; the default comes first).
+
+    The block is latency-bound on its chunk-by-chunk loads with few blocks in flight, so the
+    space varies what is in flight per block (CHUNKS_PER_ITER, latency hints), the number of
+    blocks (headdim x dstate tiles of 32..64 x 64..128), the operand order of the product
+    (SWAP), and clusters of two CTAs (num_ctas=2). Hints are tried on the default and on the
+    first two-chunk config that fits."""
+    kw = dict(chunk_size=chunk_size, dtype=dtype)
+    base = default_config(headdim=headdim, dstate=dstate, dtype=dtype, **shape)
+    tiles = [(base["BLOCK_P"], base["BLOCK_N"])]
+    for bp, bn in ((64, 64), (64, 128), (32, 128), (32, 64)):
+        if bp <= headdim and bn <= dstate and (bp, bn) not in tiles:
+            tiles.append((bp, bn))
+    configs = [base]
+    for bp, bn in tiles:
+        for swap in (False, True):
+            for k in (1, 2):
+                configs.append({**base, "BLOCK_P": bp, "BLOCK_N": bn, "SWAP": swap,
+                                "CHUNKS_PER_ITER": k})
+    configs = [c for c in configs if fits(c, **kw)]
+    anchors = [base] + [c for c in configs if c["CHUNKS_PER_ITER"] == 2 and not c["SWAP"]][:1]
+    for anchor in anchors:
+        for load_lat, store_lat in ((3, 0), (8, 0), (0, 8), (8, 8)):
+            configs.append({**anchor, "LOAD_LAT": load_lat, "STORE_LAT": store_lat})
+        configs.append({**anchor, "num_ctas": 2})
+    # Smaller tiles give more blocks than multiprocessors: let two share one.
+    blocks = lambda bp, bn: (headdim // bp) * (dstate // bn)
+    for bp, bn in tiles[1:]:
+        if blocks(bp, bn) > blocks(base["BLOCK_P"], base["BLOCK_N"]):
+            configs.append({**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": 2})
+    return unique([c for c in configs if fits(c, **kw)])
+
+
 def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
-                        states_dtype=torch.float32, block_p=None, block_n=None, poison=False):
-    """Allocate the outputs and build (grid, kernel, args, outputs) without launching."""
+                        states_dtype=torch.float32, block_p=None, block_n=None, poison=False,
+                        config=None):
+    """Allocate the outputs and build (grid, kernel, args, outputs) without launching.
+
+    ``config``: a dict from ``search_space`` (or part of one; missing keys take
+    ``default_config``'s values for this shape). ``block_p`` / ``block_n``, when given, override
+    the config's tiles. The returned kernel carries the config's compiler hints."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     check_sizes(headdim, dstate)
     if nheads % ngroups:
         raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
     nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
-    bp, bn = pick_tiles(headdim, dstate, states_dtype, block_p, block_n)
+    cfg = resolve_config(config, default_config(headdim=headdim, dstate=dstate, dtype=x.dtype,
+                                                states_dtype=states_dtype))
+    bp = min(block_p or cfg["BLOCK_P"], headdim)
+    bn = min(block_n or cfg["BLOCK_N"], dstate)
+    if not (_pow2_in(bp, 1, 1024) and _pow2_in(bn, 1, 1024)):
+        raise ValueError(f"BLOCK_P ({bp}) and BLOCK_N ({bn}) must be powers of two")
+    if cfg["CHUNKS_PER_ITER"] not in (1, 2):
+        raise ValueError(f"CHUNKS_PER_ITER must be 1 or 2, got {cfg['CHUNKS_PER_ITER']}")
 
     entry_states = new_output((batch, nchunks, nheads, headdim, dstate), states_dtype, x.device,
                               poison)
@@ -176,21 +360,24 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
             seq_idx if seq_idx is not None else dt_out,
             entry_states, final_states,
             nheads // ngroups, chunk_size, bp, bn,
-            initial_states is not None, seq_idx is not None)
+            initial_states is not None, seq_idx is not None,
+            bool(cfg["SWAP"]), cfg["CHUNKS_PER_ITER"], cfg["LOAD_LAT"], cfg["STORE_LAT"])
     grid = ((-(-headdim // bp)) * (-(-dstate // bn)), nheads, batch)
-    return grid, fwd_pass_state_kernel, args, (entry_states, final_states)
+    return grid, with_hints(fit_index_width(fwd_pass_state_kernel, args), cfg), args, (entry_states, final_states)
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
-                   states_dtype=torch.float32, poison=False):
+                   states_dtype=torch.float32, poison=False, config=None):
     """-> (entry_states (b, nchunks, h, p, n), final_states (b, h, p, n) float32).
 
     dt_out and dA_cumsum come from ``chunk_cumsum`` (dA_cumsum in log2 units). entry_states is
     float32 unless ``states_dtype`` says otherwise (16 bits halves its traffic; compute_out
     rounds it to C's dtype for its product anyway). Inputs must be contiguous.
-    ``poison=True`` NaN-fills the outputs first (for tests).
+    ``poison=True`` NaN-fills the outputs first (for tests). ``config`` picks a variant (see
+    ``search_space``); None is ``default_config``.
     """
     grid, kernel, args, outs = fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states,
-                                                   seq_idx, states_dtype, poison=poison)
+                                                   seq_idx, states_dtype, poison=poison,
+                                                   config=config)
     launch(grid, kernel, args)
     return outs

@@ -12,6 +12,8 @@ So the same wrapper, given CPU inputs, gives a kernel you can step through
 with pdb on a laptop.
 """
 
+import types
+
 import torch
 
 import cuda.tile as ct
@@ -63,3 +65,36 @@ def kernel_source(kernel):
     """The Python source of a ``@ct.kernel`` (the decorated object wraps the function)."""
     import inspect
     return inspect.getsource(getattr(kernel, "_pyfunc", kernel))
+
+
+# 32- or 64-bit indexing -------------------------------------------------------------------------
+#
+# The kernels annotate their sequence-long arrays ``ct.IndexedWithInt64`` so that element offsets
+# past 2**31 (x of a 512K-token, 80-head layer) are computed in 64 bits. That costs more than a few
+# integer instructions: the compiler does not use the TMA copy engine for 64-bit-indexed arrays
+# (it falls back to cp.async loads; see ``python -m ops.sass``). So every launch whose tensors are
+# all small enough runs a twin of the kernel with the annotation removed: same function, same
+# source lines, 32-bit indices.
+
+INT32_LIMIT = 2**31
+_INT32_TWINS = {}
+
+
+def _int32_twin(kernel):
+    f = kernel._pyfunc
+    g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    g.__qualname__, g.__module__, g.__doc__ = f.__qualname__, f.__module__, f.__doc__
+    g.__kwdefaults__ = f.__kwdefaults__
+    g.__annotations__ = {k: v for k, v in f.__annotations__.items() if v is not ct.IndexedWithInt64}
+    options = {k: v for k, v in vars(kernel._compiler_options).items() if v is not None}
+    return ct.kernel(g, **options)
+
+
+def fit_index_width(kernel, args):
+    """``kernel`` itself if some tensor argument has 2**31 elements or more, else its 32-bit
+    indexed twin (built once per kernel)."""
+    if any(t.numel() >= INT32_LIMIT for t in _tensors(args)):
+        return kernel
+    if kernel not in _INT32_TWINS:
+        _INT32_TWINS[kernel] = _int32_twin(kernel)
+    return _INT32_TWINS[kernel]

@@ -99,3 +99,33 @@ def test_corrupt_cache_is_ignored_and_every_failure_is_an_error(tmp_path):
 
 def test_seqlen_buckets():
     assert [seqlen_bucket(n) for n in (1, 1000, 1024, 1025, 65536, 70000)] == [1024, 1024, 1024, 2048, 65536, 131072]
+
+
+def test_forward_asks_the_tuner_for_every_kernel(tmp_path, monkeypatch):
+    """The kernel forward's tuning path, on the CPU: every candidate of every kernel's search
+    space really launches (here through the interpreter), a winner is cached per kernel, and the
+    forward then runs with it and still matches the untuned result."""
+    import torch
+    import ops.autotune as autotune
+    import ops.forward as fwd
+    from tests.helpers import make_problem, rel_err
+
+    launched = []
+
+    def measure(fn):
+        fn()
+        launched.append(1)
+        return float(len(launched) % 7 + 1)      # an arbitrary but fixed ranking
+
+    monkeypatch.setattr(autotune, "_TUNER", Autotuner(path=str(tmp_path / "t.json"), measure=measure,
+                                                      device="Test GPU", out=io.StringIO()))
+    kw = make_problem(batch=1, seqlen=80, nheads=4, headdim=16, ngroups=2, dstate=32, dtype=torch.float32)
+    ref, _ = fwd.kernel_forward(**kw, chunk_size=32)
+    real = fwd._config
+    monkeypatch.setattr(fwd, "_config", lambda name, configs, shape, features, run:
+                        real(name, configs, {**shape, "on_gpu": True}, features, run))
+    out, _ = fwd.kernel_forward(**kw, chunk_size=32)
+    cache = json.load(open(tmp_path / "t.json"))
+    assert sorted(k.split("|")[0] for k in cache) == ["chunk_cumsum", "compute_out", "fwd_pass_state"]
+    assert len(launched) == sum(v["candidates"] - v["failures"] for v in cache.values()) > 3
+    assert rel_err(out, ref) < 1e-5

@@ -2,11 +2,16 @@
 
 The arguments are built exactly as the launchers build them (their ``*_plan`` functions, fed
 tensors on the "meta" device), so this compiles what runs: a type or shape error in any
-variant, on any architecture, fails here without a GPU. See ``ops/aot.py``.
+variant, on any architecture, fails here without a GPU. See ``ops/aot.py``. The last test
+compiles the tuning configs (``search_space``) at a realistic shape: the defaults and one
+config of each kind; ``tests/benchmark/compile_all.py`` compiles all of them.
 """
 import pytest
 import torch
 
+from ops import chunk_cumsum as cumsum_mod
+from ops import compute_out as out_mod
+from ops import fwd_pass_state as state_mod
 from ops.aot import ARCHS, compile_cubin
 from ops.chunk_cumsum import chunk_cumsum_plan
 from ops.compute_out import compute_out_plan
@@ -109,3 +114,86 @@ def test_compile_compute_out(v, arch):
     grid, kernel, args, _ = compute_out_plan(x, B, B, dt_out, dA, states, D, z, seq)
     assert len(compile_cubin(kernel, args, arch)) > 0
 
+
+
+# Tuning variants at a realistic shape ----------------------------------------------------------
+#
+# A Mamba-2 layer of a ~2.7B model (batch 1, 16K tokens, 80 heads of 64, one group, bf16, chunks
+# of 256), launched as ops.forward does. Every config of every search space compiles there (for
+# sm_90, ``tests/benchmark/compile_all.py`` checks them all, with registers and spills: minutes);
+# CI compiles the defaults and one config of each kind of variant: for sm_90 and sm_100 where
+# the kind changes the code's structure (operand order, heads per block, two chunks per
+# iteration), for sm_90 only where it changes hints (latency, occupancy, clusters).
+
+LAYER = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, chunk_size=256,
+             dtype=torch.bfloat16)
+BOTH, HOPPER = ["sm_90", "sm_100"], ["sm_90"]
+
+
+def layer_plan(name, dstate, config):
+    """(kernel, args) of one launch of kernel ``name`` at LAYER with ``dstate`` and ``config``."""
+    s = LAYER
+    b, L, h, p, chunk = s["batch"], s["seqlen"], s["nheads"], s["headdim"], s["chunk_size"]
+    nchunks = -(-L // chunk)
+    x = meta(b, L, h, p, dtype=s["dtype"])
+    B = meta(b, L, s["ngroups"], dstate, dtype=s["dtype"])
+    dt_out, dA = meta(b, h, nchunks, chunk), meta(b, h, nchunks, chunk)
+    if name == "chunk_cumsum":
+        _, kernel, args, _ = chunk_cumsum_plan(meta(b, L, h), meta(h), chunk, dt_bias=meta(h),
+                                               dt_softplus=True, config=config)
+    elif name == "fwd_pass_state":
+        _, kernel, args, _ = fwd_pass_state_plan(x, B, dt_out, dA, states_dtype=s["dtype"],
+                                                 config=config)
+    else:
+        states = meta(b, nchunks, h, p, dstate, dtype=s["dtype"])
+        _, kernel, args, _ = compute_out_plan(x, B, B, dt_out, dA, states, D=meta(h),
+                                              config=config)
+    return kernel, args
+
+
+# (kernel, dstate, kind, which config of the search space, architectures)
+KINDS = [
+    ("chunk_cumsum", 128, "default", lambda c, d: c == d, BOTH),
+    ("chunk_cumsum", 128, "block_h", lambda c, d: c["BLOCK_H"] != d["BLOCK_H"], HOPPER),
+    ("chunk_cumsum", 128, "latency", lambda c, d: c["LOAD_LAT"] or c["STORE_LAT"], HOPPER),
+    ("chunk_cumsum", 128, "hints", lambda c, d: c["num_ctas"], HOPPER),
+    ("fwd_pass_state", 128, "default", lambda c, d: c == d, BOTH),
+    ("fwd_pass_state", 256, "default", lambda c, d: c == d, HOPPER),
+    ("fwd_pass_state", 128, "swap", lambda c, d: c["SWAP"] and c["CHUNKS_PER_ITER"] == 1, BOTH),
+    ("fwd_pass_state", 128, "2-chunks", lambda c, d: c["CHUNKS_PER_ITER"] == 2 and not c["SWAP"],
+     BOTH),
+    ("fwd_pass_state", 128, "swap-2-chunks", lambda c, d: c["CHUNKS_PER_ITER"] == 2 and c["SWAP"],
+     HOPPER),
+    ("fwd_pass_state", 128, "latency", lambda c, d: c["LOAD_LAT"] and c["STORE_LAT"], HOPPER),
+    ("fwd_pass_state", 128, "hints", lambda c, d: c["num_ctas"] or c["occupancy"], HOPPER),
+    ("compute_out", 128, "default", lambda c, d: c == d, BOTH),
+    ("compute_out", 256, "default", lambda c, d: c == d, HOPPER),
+    ("compute_out", 256, "swap", lambda c, d: c["SWAP"] and c["HEADS_PER_BLOCK"] == 1, BOTH),
+    ("compute_out", 256, "2-heads", lambda c, d: c["HEADS_PER_BLOCK"] == 2 and not c["SWAP"],
+     BOTH),
+    ("compute_out", 256, "2-heads-swap", lambda c, d: c["HEADS_PER_BLOCK"] == 2 and c["SWAP"],
+     BOTH),
+    ("compute_out", 128, "4-heads", lambda c, d: c["HEADS_PER_BLOCK"] == 4 and not c["SWAP"],
+     BOTH),
+    ("compute_out", 128, "4-heads-swap", lambda c, d: c["HEADS_PER_BLOCK"] == 4 and c["SWAP"],
+     BOTH),
+    ("compute_out", 256, "whole-dstate", lambda c, d: c["DSTATE_TILE"] == 256, HOPPER),
+    ("compute_out", 128, "latency", lambda c, d: c["LOAD_LAT"] or c["STORE_LAT"], HOPPER),
+    ("compute_out", 128, "hints", lambda c, d: c["num_ctas"], HOPPER),
+]
+MODULES = {"chunk_cumsum": cumsum_mod, "fwd_pass_state": state_mod, "compute_out": out_mod}
+
+
+@pytest.mark.parametrize("name, dstate, kind, pick, arch", [
+    pytest.param(name, n, kind, pick, arch, id=f"{name}-n{n}-{kind}-{arch}")
+    for name, n, kind, pick, archs in KINDS for arch in archs])
+def test_compile_variant_kinds(name, dstate, kind, pick, arch):
+    module = MODULES[name]
+    shape = dict(LAYER, dstate=dstate)
+    default = module.default_config(**shape)
+    space = module.search_space(**shape)
+    assert space[0] == default, "the default config comes first in the search space"
+    config = next((c for c in space if pick(c, default)), None)
+    assert config is not None, f"no {kind!r} config in the search space"
+    kernel, args = layer_plan(name, dstate, config)
+    assert len(compile_cubin(kernel, args, arch)) > 0

@@ -307,3 +307,19 @@ def test_long_sequence_int64_indexing():
         assert rel_err(out[:, :, sl], ref_out) < TOL[dt16], f"head {head}"
         assert rel_err(out[:, -4096:, sl], ref_out[:, -4096:]) < TOL[dt16], f"head {head} tail"
         assert rel_err(final[:, sl], ref_final) < 1e-2, f"head {head} final state"
+
+
+def test_index_width_follows_the_tensor_sizes():
+    """Launches on tensors under 2**31 elements use the 32-bit-indexed twin of a kernel (the
+    compiler only uses TMA loads with 32-bit indices); larger ones keep 64-bit indexing."""
+    import cuda.tile as ct
+    from ops.compute_out import compute_out_kernel
+    from ops.launch import fit_index_width
+    small = (torch.empty(4, 8, device="meta"),)
+    huge = (torch.empty(2**31, device="meta"),)
+    twin = fit_index_width(compute_out_kernel, small)
+    assert fit_index_width(compute_out_kernel, huge) is compute_out_kernel
+    assert twin is fit_index_width(compute_out_kernel, small) and twin is not compute_out_kernel
+    wide = [n for n, a in compute_out_kernel._pyfunc.__annotations__.items() if a is ct.IndexedWithInt64]
+    assert wide and not any(a is ct.IndexedWithInt64 for a in twin._pyfunc.__annotations__.values())
+    assert twin._pyfunc.__code__ is compute_out_kernel._pyfunc.__code__

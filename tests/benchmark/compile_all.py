@@ -15,8 +15,8 @@ x's dtype.
 For each config it prints the compile time and, when ``ops.sass`` is available (it needs
 NVIDIA's nvdisasm and cuobjdump), the registers per thread, threads per block, spilled
 registers and shared memory of the machine code: a config that spills is legal but a poor bet.
-By default the kernel is compiled as a launch would specialize it (``ops.sass.launch_signature``:
-16-byte alignment, unit strides); ``--generic`` compiles ``ops.aot.compile_cubin``'s signature
+By default the kernel is compiled as a launch would specialize it (``ops.aot.launch_signature``:
+16-byte alignment, unit strides); ``--generic`` compiles ``ops.aot.signature_of``'s signature
 for arbitrary arrays instead. The compiler's disk cache is bypassed so the times are real.
 Exit status 1 if any config fails.
 """
@@ -96,11 +96,9 @@ def compile_one(name, shp, config, arch, generic):
             row.update(registers=report.registers, threads=report.threads,
                        spill_loads=report.spill_loads, spill_stores=report.spill_stores,
                        shared=report.shared)
-        elif generic:
-            from ops.aot import compile_cubin
-            compile_cubin(kernel, args, arch)
         else:
-            raise RuntimeError("a launch's signature needs ops.sass; use --generic")
+            from ops.aot import compile_cubin
+            compile_cubin(kernel, args, arch, specialize=not generic)
         row["status"] = "ok"
     except Exception as e:   # report it and go on: the point is to list every failure
         row["status"] = "FAIL"
