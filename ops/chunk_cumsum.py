@@ -189,7 +189,7 @@ def unique(configs):
 
 def default_config(*, nheads, **_):
     """Today's choice: 16 heads per block (fewer when there are fewer heads), no hints."""
-    return dict(BLOCK_H=min(16, _next_pow2(nheads)), LOAD_LAT=0, STORE_LAT=0,
+    return dict(BLOCK_H=min(16, _next_pow2(nheads)), LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
                 occupancy=None, num_ctas=None)
 
 
@@ -206,7 +206,7 @@ def search_space(*, nheads, **shape):
     configs += [{**base, "STORE_LAT": 8}]
     configs += [{**base, "occupancy": occ} for occ in (1, 2, 4)]
     configs += [{**base, "num_ctas": 2}]
-    return unique(configs)
+    return unique(configs + [{**configs[0], "INDEX64": True}])
 
 
 def new_output(shape, dtype, device, poison=False):
@@ -249,7 +249,7 @@ def chunk_cumsum_plan(dt, A, chunk_size, dt_bias=None, dt_softplus=False,
     args = (dt, A, bias, dt_out, dA_cumsum, float(dt_limit[0]), float(dt_limit[1]),
             chunk_size, block_h, dt_bias is not None, bool(dt_softplus),
             cfg["LOAD_LAT"], cfg["STORE_LAT"])
-    return grid, with_hints(fit_index_width(chunk_cumsum_kernel, args), cfg), args, (dt_out, dA_cumsum)
+    return grid, with_hints(fit_index_width(chunk_cumsum_kernel, args, cfg["INDEX64"]), cfg), args, (dt_out, dA_cumsum)
 
 
 def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf),

@@ -518,7 +518,7 @@ def default_config(*, chunk_size, headdim, dstate, **_):
     """Today's kernel: ``pick_tiles``' tiles, one head per block, natural operand order, no
     latency hints, the kernel's own occupancy hint (3 on sm_90)."""
     bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
-    return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1,
+    return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1, INDEX64=False,
                 SWAP=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None, num_ctas=None)
 
 
@@ -621,7 +621,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
         configs.append({**anchor, "num_ctas": 2})
         if dstate > 128:
             configs.append({**anchor, "DSTATE_TILE": dstate})
-    return unique([c for c in configs if fits(c, **kw)])
+    kept = [c for c in configs if fits(c, **kw)]
+    return unique(kept + [{**kept[0], "INDEX64": True}])
 
 
 def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,
@@ -667,7 +668,7 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
         kernel = compute_out_heads_kernel
         args = args + (hb,)
     grid = ((nheads // hb) * (-(-headdim // bp)) * (-(-seqlen // bm)), batch)
-    return grid, with_hints(fit_index_width(kernel, args), cfg), args, out
+    return grid, with_hints(fit_index_width(kernel, args, cfg["INDEX64"]), cfg), args, out
 
 
 def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,

@@ -273,7 +273,7 @@ def default_config(*, headdim, dstate, dtype=torch.bfloat16, states_dtype=None, 
     """Today's kernel: ``pick_tiles``' tiles, one chunk per iteration, no hints. ``states_dtype``
     (the entry states') defaults to ``dtype``, as ``ops.forward`` stores them."""
     bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype)
-    return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0,
+    return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
                 occupancy=None, num_ctas=None)
 
 
@@ -323,7 +323,8 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     for bp, bn in tiles[1:]:
         if blocks(bp, bn) > blocks(base["BLOCK_P"], base["BLOCK_N"]):
             configs.append({**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": 2})
-    return unique([c for c in configs if fits(c, **kw)])
+    kept = [c for c in configs if fits(c, **kw)]
+    return unique(kept + [{**kept[0], "INDEX64": True}])
 
 
 def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
@@ -363,7 +364,7 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
             initial_states is not None, seq_idx is not None,
             bool(cfg["SWAP"]), cfg["CHUNKS_PER_ITER"], cfg["LOAD_LAT"], cfg["STORE_LAT"])
     grid = ((-(-headdim // bp)) * (-(-dstate // bn)), nheads, batch)
-    return grid, with_hints(fit_index_width(fwd_pass_state_kernel, args), cfg), args, (entry_states, final_states)
+    return grid, with_hints(fit_index_width(fwd_pass_state_kernel, args, cfg["INDEX64"]), cfg), args, (entry_states, final_states)
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,

@@ -90,10 +90,11 @@ def _int32_twin(kernel):
     return ct.kernel(g, **options)
 
 
-def fit_index_width(kernel, args):
-    """``kernel`` itself if some tensor argument has 2**31 elements or more, else its 32-bit
-    indexed twin (built once per kernel)."""
-    if any(t.numel() >= INT32_LIMIT for t in _tensors(args)):
+def fit_index_width(kernel, args, force_int64=False):
+    """``kernel`` itself if some tensor argument has 2**31 elements or more (or ``force_int64``,
+    a config option, so the autotuner can compare both), else its 32-bit-indexed twin (built
+    once per kernel)."""
+    if force_int64 or any(t.numel() >= INT32_LIMIT for t in _tensors(args)):
         return kernel
     if kernel not in _INT32_TWINS:
         _INT32_TWINS[kernel] = _int32_twin(kernel)
