@@ -1,0 +1,105 @@
+"""Compile every config of every kernel's search space ahead of the autotuner, in parallel.
+
+The autotuner times each candidate config on the real inputs, and the first launch of each one
+compiles it (a second or more each, one at a time). cuTile keeps compiled kernels in a disk cache
+keyed by the kernel, its constants and what the launch specializes on (dtypes, unit strides,
+sizes divisible by 16). So launching every config once, from several processes at a time, on
+inputs with the same constants and divisibility as the benchmark's, lets the tuner find them all
+compiled.
+
+    python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,16384 --procs 12
+
+Each (dstate, seqlen) pair stands for the benchmark shapes that specialize alike: 1K tokens have
+4 chunks of 256 (not a multiple of 16), 4K and more have a multiple of 16 chunks.
+"""
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
+
+
+def _inputs(seqlen, dstate, nheads, headdim, ngroups):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")
+    return dict(x=r(1, seqlen, nheads, headdim).bfloat16(), dt=r(1, seqlen, nheads) * 0.5 - 1.0,
+                A=-torch.exp(r(nheads) * 0.5), B=r(1, seqlen, ngroups, dstate).bfloat16(),
+                C=r(1, seqlen, ngroups, dstate).bfloat16(), D=r(nheads), dt_bias=r(nheads) * 0.5)
+
+
+def _tasks(args):
+    import torch
+    from ops.forward import _MODULES
+    tasks = []
+    for dstate in args.dstates:
+        for seqlen in args.seqlens:
+            shape = dict(batch=1, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
+                         ngroups=args.ngroups, dstate=dstate, chunk_size=args.chunk,
+                         dtype=torch.bfloat16, states_dtype=torch.bfloat16)
+            for name in KERNELS:
+                if name == "chunk_cumsum" and dstate != args.dstates[0]:
+                    continue            # it never sees dstate: one set of compiles serves all
+                for cfg in _MODULES[name].search_space(**shape):
+                    tasks.append((name, seqlen, dstate, cfg))
+    return tasks
+
+
+def _worker(job):
+    """Launch each (kernel, config) once through the forward pass (the other kernels at their
+    defaults), exactly as the benchmark calls it: D, dt_bias, softplus."""
+    tasks, args = job
+    os.environ["MAMBA2_CUTILE_AUTOTUNE"] = "0"
+    import torch
+    from ops.forward import kernel_forward
+    results, inputs = [], {}
+    for name, seqlen, dstate, cfg in tasks:
+        key = (seqlen, dstate)
+        if key not in inputs:
+            inputs.clear()
+            inputs[key] = _inputs(seqlen, dstate, args.nheads, args.headdim, args.ngroups)
+        t0 = time.time()
+        try:
+            kernel_forward(**inputs[key], chunk_size=args.chunk, dt_softplus=True, configs={name: cfg})
+            torch.cuda.synchronize()
+            results.append((name, seqlen, dstate, cfg, "ok", time.time() - t0))
+        except Exception as e:   # a config that fails here is skipped by the tuner too
+            results.append((name, seqlen, dstate, cfg, f"{type(e).__name__}: {str(e)[:120]}", time.time() - t0))
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dstates", default="64,128,256,512")
+    ap.add_argument("--seqlens", default="1024,16384")
+    ap.add_argument("--nheads", type=int, default=80)
+    ap.add_argument("--headdim", type=int, default=64)
+    ap.add_argument("--ngroups", type=int, default=1)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--procs", type=int, default=min(12, os.cpu_count() or 1))
+    args = ap.parse_args(argv)
+    args.dstates = [int(v) for v in args.dstates.split(",")]
+    args.seqlens = [int(v) for v in args.seqlens.split(",")]
+
+    tasks = _tasks(args)
+    # Interleave so every process gets a mix of kernels (compile times differ a lot).
+    jobs = [(tasks[i::args.procs], args) for i in range(args.procs) if tasks[i::args.procs]]
+    print(f"compiling {len(tasks)} kernel variants in {len(jobs)} processes", flush=True)
+    t0, done, failed = time.time(), 0, []
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        for results in pool.imap_unordered(_worker, jobs):
+            done += len(results)
+            failed += [r for r in results if r[4] != "ok"]
+            print(f"  {done}/{len(tasks)} done ({time.time() - t0:.0f} s)", flush=True)
+    print(f"{len(tasks) - len(failed)} compiled, {len(failed)} failed, {time.time() - t0:.0f} s")
+    for name, seqlen, dstate, cfg, status, _ in failed:
+        print(f"  FAILED {name} L={seqlen} dstate={dstate} {cfg}: {status}")
+
+
+if __name__ == "__main__":
+    main()
