@@ -373,3 +373,24 @@ def test_run_h200_script_dry_run(tmp_path):
         ("128", "256", "ok"), ("128", "32", "ok"), ("64", "256", "ok"), ("64", "32", "ok")]
     # the sweep took the chunk-256 rows over from the grid and ran only the chunk-32 points
     assert "2 rows kept, 2 points to run" in (out / "grid_chunks.log").read_text()
+
+
+def test_warm_compile_covers_every_search_space_config():
+    """The warm-up list holds each kernel's whole search space for every (dstate, seqlen) that
+    specializes differently, chunk_cumsum once per seqlen (it never sees dstate)."""
+    import argparse
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmark"))
+    import warm_compile
+    from ops.forward import _MODULES
+    args = argparse.Namespace(dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
+                              ngroups=1, chunk=256)
+    tasks = warm_compile._tasks(args)
+    for name, module in _MODULES.items():
+        for dstate in (64, 256):
+            shape = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, dstate=dstate,
+                         chunk_size=256, dtype=torch.bfloat16, states_dtype=torch.bfloat16)
+            listed = [cfg for n, L, d, cfg in tasks if n == name and L == 16384
+                      and (d == dstate or name == "chunk_cumsum")]
+            assert all(cfg in listed for cfg in module.search_space(**shape))
+    assert sum(1 for n, L, d, _ in tasks if n == "chunk_cumsum" and d == 256) == 0
