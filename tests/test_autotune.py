@@ -36,6 +36,12 @@ def _tuner(tmp_path, gpu, **kw):
                      out=kw.pop("out", io.StringIO()), **kw)
 
 
+@pytest.fixture(autouse=True)
+def tuning_on(monkeypatch):
+    """conftest.py switches tuning off for the rest of the suite; these tests are about it."""
+    monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "1")
+
+
 def test_picks_the_fastest_and_skips_failures(tmp_path):
     gpu, out = FakeGPU(), io.StringIO()
     t = _tuner(tmp_path, gpu, out=out)
@@ -55,7 +61,8 @@ def test_remembers_in_memory_on_disk_and_across_processes(tmp_path):
     assert again.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], gpu.run)["BLOCK_M"] == 128
     assert len(gpu.launched) == n
     # Another process reads the same file and gets the winner without tuning (its run() would fail).
-    code = ("import sys, io; sys.path.insert(0, %r); from ops.autotune import Autotuner\n"
+    code = ("import os, sys, io; sys.path.insert(0, %r); from ops.autotune import Autotuner\n"
+            "os.environ['MAMBA2_CUTILE_AUTOTUNE'] = '1'\n"
             "t = Autotuner(path=%r, measure=lambda f: 1/0, device='Test GPU', out=io.StringIO())\n"
             "def run(cfg): raise SystemExit('retuned')\n"
             "print(t.best('compute_out', %r, [{'BLOCK_M': 1}], {'BLOCK_M': 0}, run)['BLOCK_M'])"
