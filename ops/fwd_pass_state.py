@@ -204,16 +204,8 @@ def fwd_pass_state_kernel(
         running = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     running_seq = ct.zeros((), dtype=ct.int32)   # id of the sequence the running state belongs to
 
-    if CHUNKS_PER_ITER == 1:
-        for c in range(nchunks):
-            # The state this chunk starts from. (Tiles past headdim / dstate are dropped.)
-            store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
-            xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
-                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
-            running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
-                                              c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
-                                              SWAP)
-    else:
+    singles_from = 0                # chunks from here on are folded one per iteration
+    if CHUNKS_PER_ITER == 2:
         # Two chunks per iteration: both chunks' loads are issued before either is folded in,
         # so twice the bytes are in flight while the block waits, and the second chunk's
         # product (independent of the running state) can overlap the first one's fold.
@@ -232,14 +224,15 @@ def fwd_pass_state_kernel(
             running, running_seq = fold_chunk(running, running_seq, x1, b1, dA1, dt1, seq_idx,
                                               b, c + 1, seqlen, CHUNK, BLOCK_P, BLOCK_N,
                                               HAS_SEQ_IDX, SWAP)
-        if nchunks % 2 == 1:        # an odd number of chunks: the last one on its own
-            c = nchunks - 1
-            store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
-            xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
-                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
-            running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
-                                              c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
-                                              SWAP)
+        singles_from = 2 * (nchunks // 2)     # an odd number of chunks: the last one alone
+
+    for c in range(singles_from, nchunks):
+        # The state this chunk starts from. (Tiles past headdim / dstate are dropped.)
+        store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
+        xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
+                                      CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+        running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
+                                          c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, SWAP)
 
     store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP)
 
