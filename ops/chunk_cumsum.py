@@ -176,6 +176,10 @@ def _pow2_in(value, lo, hi):
     return isinstance(value, int) and lo <= value <= hi and value & (value - 1) == 0
 
 
+def _esize(dtype):
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def unique(configs):
     """The configs in order, duplicates dropped."""
     seen, out = set(), []

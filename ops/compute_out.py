@@ -86,7 +86,7 @@ import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import latency_hint, new_output, resolve_config, unique, with_hints
+from .chunk_cumsum import _esize, latency_hint, new_output, resolve_config, unique, with_hints
 from .fwd_pass_state import check_sizes
 from .launch import fit_index_width, launch
 
@@ -520,10 +520,6 @@ def default_config(*, chunk_size, headdim, dstate, **_):
     bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
     return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1, INDEX64=False,
                 SWAP=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None, num_ctas=None)
-
-
-def _esize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):

@@ -28,8 +28,8 @@ from .fwd_pass_state import check_sizes, fwd_pass_state
 POISON_OUTPUTS = False
 
 
-KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 _MODULES = {"chunk_cumsum": _cumsum_mod, "fwd_pass_state": _state_mod, "compute_out": _out_mod}
+KERNELS = tuple(_MODULES)
 
 
 def _config(name, configs, shape, features, run):

@@ -71,7 +71,8 @@ import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import latency_hint, new_output, resolve_config, unique, with_hints
+from .chunk_cumsum import (_esize, _pow2_in, latency_hint, new_output, resolve_config, unique,
+                           with_hints)
 from .launch import fit_index_width, launch
 
 ConstInt = ct.Constant[int]
@@ -237,10 +238,6 @@ def fwd_pass_state_kernel(
     store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP)
 
 
-def _pow2_in(value, lo, hi):
-    return isinstance(value, int) and lo <= value <= hi and value & (value - 1) == 0
-
-
 def check_sizes(headdim, dstate):
     """headdim and dstate become tile dimensions, which must be powers of two."""
     if not _pow2_in(headdim, 16, 128):
@@ -256,10 +253,6 @@ def pick_tiles(headdim, dstate, states_dtype, block_p=None, block_n=None):
     wide = states_dtype in (torch.bfloat16, torch.float16)
     bn = min(block_n or (128 if wide else 64), dstate)
     return bp, bn
-
-
-def _esize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def default_config(*, headdim, dstate, dtype=torch.bfloat16, states_dtype=None, **_):

@@ -42,6 +42,7 @@ import torch
 
 
 from .aot import compile_cubin, launch_signature, signature_of
+from .forward import KERNELS
 
 # The pip wheel each tool comes in (the error message names it).
 TOOL_PACKAGES = {"nvdisasm": "nvidia-cuda-nvdisasm", "cuobjdump": "nvidia-cuda-cuobjdump"}
@@ -352,7 +353,6 @@ def sass_report(kernel, args, arch, label=None, specialize=True):
 # dstate 128, one group, bf16, chunks of 256. Only dtypes, sizes that are compile-time
 # constants (chunk, headdim, dstate, tiles) and flags change the code; the tensors are "meta".
 SHAPE = dict(batch=1, seqlen=16384, nheads=80, headdim=64, dstate=128, ngroups=1, chunk=256)
-KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 
 
 def _plan_function(name):

@@ -82,17 +82,23 @@ def cutile_supported(device):
 
 
 def kernels_take(headdim, dstate):
-    """The kernels tile headdim and dstate whole, so both must be powers of two in range."""
-    pow2 = lambda v: v & (v - 1) == 0
-    return pow2(headdim) and pow2(dstate) and 16 <= headdim <= 128 and 16 <= dstate <= 512
+    """Whether the kernels tile these sizes (their own check: powers of two in range)."""
+    from .fwd_pass_state import check_sizes
+    try:
+        check_sizes(headdim, dstate)
+    except ValueError:
+        return False
+    return True
 
 
 def _resolve_backend(backend, x, B):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "auto":
-        fits = kernels_take(x.shape[3], B.shape[3]) and x.dtype in KERNEL_DTYPES
-        return "cutile" if fits and cutile_supported(x.device) else "reference"
+        # cutile_supported first: it is the check that copes with cuda.tile being absent.
+        fits = (cutile_supported(x.device) and x.dtype in KERNEL_DTYPES
+                and kernels_take(x.shape[3], B.shape[3]))
+        return "cutile" if fits else "reference"
     if backend == "interpret" and x.device.type != "cpu":
         raise ValueError(f"backend='interpret' runs the kernels on the CPU; the inputs are on {x.device} "
                          "(move them with .cpu(), or use backend='cutile')")
