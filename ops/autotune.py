@@ -157,8 +157,10 @@ class Autotuner:
             raise RuntimeError(f"autotuning {kernel_name}: every candidate failed; first error: "
                                f"{self.last_failures[0][1] if self.last_failures else 'none'}")
         ms, cfg = min(results, key=lambda r: r[0])
+        # Every candidate's time is kept too: it shows what each knob is worth for this shape.
         memory[key] = {"config": cfg, "ms": ms, "candidates": len(candidates),
-                       "failures": len(self.last_failures), "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+                       "failures": len(self.last_failures), "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                       "timings": [[round(t, 5), c] for t, c in results]}
         self._save()
         self._say(f"  -> {_fmt(cfg)} at {ms:.3f} ms ({time.time() - start:.0f} s; cached in {self.path})")
         return cfg

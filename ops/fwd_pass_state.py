@@ -54,7 +54,8 @@ Variants (``default_config`` / ``search_space``)
     the tensor cores then take B, straight from shared memory, as the first operand and the
     weighted x (computed in registers) as the second; which order the compiler serves better is
     measured, not guessed. Latency hints (LOAD_LAT on x, B and the initial state; STORE_LAT on
-    the entry states), tile sizes and the compiler hints occupancy / num_ctas complete the space.
+    the entry states), tile sizes and the compiler hint occupancy complete the space (num_ctas > 1 is
+    refused: it faulted on sm_90).
 
 Packed sequences (seq_idx)
     Only tokens of the sequence that the chunk's last token belongs to write the chunk's state,
@@ -284,7 +285,7 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     The block is latency-bound on its chunk-by-chunk loads with few blocks in flight, so the
     space varies what is in flight per block (CHUNKS_PER_ITER, latency hints), the number of
     blocks (headdim x dstate tiles of 32..64 x 64..128), the operand order of the product
-    (SWAP), and clusters of two CTAs (num_ctas=2). Hints are tried on the default and on the
+    (SWAP). Hints are tried on the default and on the
     first two-chunk config that fits."""
     kw = dict(chunk_size=chunk_size, dtype=dtype)
     base = default_config(headdim=headdim, dstate=dstate, dtype=dtype, **shape)
@@ -303,7 +304,6 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     for anchor in anchors:
         for load_lat, store_lat in ((3, 0), (8, 0), (0, 8), (8, 8)):
             configs.append({**anchor, "LOAD_LAT": load_lat, "STORE_LAT": store_lat})
-        configs.append({**anchor, "num_ctas": 2})
     # Smaller tiles give more blocks than multiprocessors: let two share one.
     blocks = lambda bp, bn: (headdim // bp) * (dstate // bn)
     for bp, bn in tiles[1:]:

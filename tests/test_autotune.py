@@ -72,6 +72,9 @@ def test_remembers_in_memory_on_disk_and_across_processes(tmp_path):
     assert res.stdout.strip() == "128"
     entry = next(iter(json.load(open(tmp_path / "autotune.json")).values()))
     assert entry["ms"] == 1.5 and entry["failures"] == 1 and entry["candidates"] == 4
+    # every timed candidate is kept with its time (the failed one is not)
+    assert len(entry["timings"]) == 3 and min(t for t, _ in entry["timings"]) == 1.5
+    assert [1.5, entry["config"]] in entry["timings"]
 
 
 def test_keys_separate_kernels_shapes_and_devices(tmp_path):

@@ -156,7 +156,7 @@ KINDS = [
     ("chunk_cumsum", 128, "default", lambda c, d: c == d, BOTH),
     ("chunk_cumsum", 128, "block_h", lambda c, d: c["BLOCK_H"] != d["BLOCK_H"], HOPPER),
     ("chunk_cumsum", 128, "latency", lambda c, d: c["LOAD_LAT"] or c["STORE_LAT"], HOPPER),
-    ("chunk_cumsum", 128, "hints", lambda c, d: c["num_ctas"], HOPPER),
+    ("chunk_cumsum", 128, "hints", lambda c, d: c["occupancy"], HOPPER),
     ("fwd_pass_state", 128, "default", lambda c, d: c == d, BOTH),
     ("fwd_pass_state", 256, "default", lambda c, d: c == d, HOPPER),
     ("fwd_pass_state", 128, "swap", lambda c, d: c["SWAP"] and c["CHUNKS_PER_ITER"] == 1, BOTH),
@@ -165,7 +165,7 @@ KINDS = [
     ("fwd_pass_state", 128, "swap-2-chunks", lambda c, d: c["CHUNKS_PER_ITER"] == 2 and c["SWAP"],
      HOPPER),
     ("fwd_pass_state", 128, "latency", lambda c, d: c["LOAD_LAT"] and c["STORE_LAT"], HOPPER),
-    ("fwd_pass_state", 128, "hints", lambda c, d: c["num_ctas"] or c["occupancy"], HOPPER),
+    ("fwd_pass_state", 128, "hints", lambda c, d: c["occupancy"], HOPPER),
     ("compute_out", 128, "default", lambda c, d: c == d, BOTH),
     ("compute_out", 256, "default", lambda c, d: c == d, HOPPER),
     ("compute_out", 256, "swap", lambda c, d: c["SWAP"] and c["HEADS_PER_BLOCK"] == 1, BOTH),
@@ -179,7 +179,7 @@ KINDS = [
      BOTH),
     ("compute_out", 256, "whole-dstate", lambda c, d: c["DSTATE_TILE"] == 256, HOPPER),
     ("compute_out", 128, "latency", lambda c, d: c["LOAD_LAT"] or c["STORE_LAT"], HOPPER),
-    ("compute_out", 128, "hints", lambda c, d: c["num_ctas"], HOPPER),
+    ("compute_out", 128, "hints", lambda c, d: c["occupancy"] not in (None, d["occupancy"]), HOPPER),
 ]
 MODULES = {"chunk_cumsum": cumsum_mod, "fwd_pass_state": state_mod, "compute_out": out_mod}
 

@@ -8,7 +8,9 @@
 
 Implementations (``--impls``; one that is not installed is recorded as such and the run goes on):
     triton     mamba_ssm's ``mamba_chunk_scan_combined``: the published Triton kernels, forward only
-    cutile     this project, ``ops.mamba_chunk_scan_combined(..., backend="cutile")``
+    cutile     this project, ``ops.mamba_chunk_scan_combined(..., backend="cutile")``, autotuned
+    cutile_default  the same kernels at their default configs (autotuning switched off for the
+               call): tuned against untuned, side by side
     tilegym    NVIDIA TileGym's cuTile ``mamba2_chunk_forward``; it takes the processed dt
                (softplus(dt + dt_bias)), A, D and an initial state (zeros: the same as none), and
                needs L % chunk == 0 (other points are recorded as skipped)
@@ -83,7 +85,7 @@ sys.path.insert(0, HERE)
 
 import report  # noqa: E402  (tests/benchmark/report.py)
 
-IMPLS = ("triton", "cutile", "tilegym", "reference", "interpret")
+IMPLS = ("triton", "cutile", "cutile_default", "tilegym", "reference", "interpret")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SLICE = 1024                 # tokens kept from each end of an output, to compare across processes
 EXIT_RESTART = 75            # a worker's exit code after its CUDA context broke: start a new one
@@ -154,6 +156,21 @@ def build(impl, inp, chunk):
     if impl in ("cutile", "reference", "interpret"):
         from ops import mamba_chunk_scan_combined
         return lambda: mamba_chunk_scan_combined(*args, **common, backend=impl)
+    if impl == "cutile_default":
+        from ops import mamba_chunk_scan_combined
+        from ops.autotune import ENV_SWITCH
+
+        def untuned():
+            before = os.environ.get(ENV_SWITCH)
+            os.environ[ENV_SWITCH] = "0"         # read at each call: the defaults, no search
+            try:
+                return mamba_chunk_scan_combined(*args, **common, backend="cutile")
+            finally:
+                if before is None:
+                    del os.environ[ENV_SWITCH]
+                else:
+                    os.environ[ENV_SWITCH] = before
+        return untuned
     if impl == "triton":
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as triton_forward
         return lambda: triton_forward(*args, **common)

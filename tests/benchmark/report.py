@@ -14,7 +14,7 @@ import math
 
 REF_CHUNK = 256
 SUBJECT = "cutile"                      # the implementation the tables and summary are about
-COLUMN_ORDER = ("triton", "tilegym", "cutile", "reference", "interpret")
+COLUMN_ORDER = ("triton", "tilegym", "cutile_default", "cutile", "reference", "interpret")
 SHAPE_KEYS = ("batch", "nheads", "headdim", "ngroups", "dtype", "seqlen", "dstate")
 
 INT_COLUMNS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk", "flops", "bytes"}
