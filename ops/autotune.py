@@ -74,6 +74,7 @@ class Autotuner:
         self.out = out or sys.stderr
         self._memory = None          # loaded lazily from disk
         self.last_failures = []      # (config, error) of the last search, for inspection
+        self.chosen = {}             # the callers' memo of answers (ops.forward._config)
 
     # Keys and the cache file -----------------------------------------------------------------
 
