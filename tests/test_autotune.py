@@ -139,3 +139,33 @@ def test_forward_asks_the_tuner_for_every_kernel(tmp_path, monkeypatch):
     assert sorted(k.split("|")[0] for k in cache) == ["chunk_cumsum", "compute_out", "fwd_pass_state"]
     assert len(launched) == sum(v["candidates"] - v["failures"] for v in cache.values()) > 3
     assert rel_err(out, ref) < 1e-5
+
+
+def test_keeps_the_default_unless_clearly_faster(tmp_path):
+    """A candidate within the timer's noise (MARGIN) of the default does not replace it."""
+    from ops.autotune import MARGIN
+    times = {64: 2.0, 128: 2.0 * (1 - MARGIN / 2), 32: 3.0}
+    launched = []
+    t = Autotuner(path=str(tmp_path / "a.json"), device="Test GPU", out=io.StringIO(),
+                  measure=lambda fn: (fn(), times[launched[-1]])[1])
+    configs = [c for c in CONFIGS if c["BLOCK_M"] != 256]
+    assert t.best("compute_out", SHAPE, configs, configs[0],
+                  lambda cfg: launched.append(cfg["BLOCK_M"])) == configs[0]
+    times[128] = 2.0 * (1 - 2 * MARGIN)          # now clearly faster: it wins
+    assert t.best("compute_out", dict(SHAPE, dstate=256), configs, configs[0],
+                  lambda cfg: launched.append(cfg["BLOCK_M"]))["BLOCK_M"] == 128
+
+
+def test_a_gpu_fault_stops_the_search(tmp_path):
+    """After a kernel faults (misaligned / illegal address) the CUDA context is gone: the tuner
+    says which config did it instead of 'skipping' every later candidate, and caches nothing."""
+    gpu = FakeGPU()
+
+    def run(cfg):
+        if cfg["BLOCK_M"] == 128:
+            raise RuntimeError("CUDA error: misaligned address")
+        gpu.run(cfg)
+    t = _tuner(tmp_path, gpu)
+    with pytest.raises(RuntimeError, match=r"BLOCK_M=128 occupancy=2 faulted.*MAMBA2_CUTILE_AUTOTUNE=0"):
+        t.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], run)
+    assert gpu.launched == [64] and not os.path.exists(t.path)

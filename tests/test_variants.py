@@ -145,6 +145,27 @@ def test_compute_out_variant(device, dtype_name, config):
     check(run_out, dtype_name, config, device)
 
 
+def int64_cases(module, extra=()):
+    """bf16 cases of ``cases`` through the 64-bit-indexed kernel (INDEX64), the one that runs
+    when a tensor reaches 2**31 elements. Tile addressing differs from the 32-bit twin (no TMA),
+    so each config is checked on it too; the interpreter does not index, so these are GPU-only."""
+    return [pytest.param(name, {**cfg, "INDEX64": True}, id=f"{p.id}-int64")
+            for p in cases(module, extra) for name, cfg in [p.values] if name == "bf16"
+            and not cfg["INDEX64"]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name, config", int64_cases(state_mod, STATE_EXTRA))
+def test_fwd_pass_state_variant_int64(dtype_name, config):
+    check(run_state, dtype_name, config, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype_name, config", int64_cases(out_mod, OUT_EXTRA))
+def test_compute_out_variant_int64(dtype_name, config):
+    check(run_out, dtype_name, config, "cuda")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("config", OUT_D1_NO_Z, ids=lambda c: label(c, {}))
 def test_compute_out_variant_D_per_head_no_z(device, config):
