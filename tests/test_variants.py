@@ -151,7 +151,13 @@ def int64_cases(module, extra=()):
     so each config is checked on it too; the interpreter does not index, so these are GPU-only."""
     return [pytest.param(name, {**cfg, "INDEX64": True}, id=f"{p.id}-int64")
             for p in cases(module, extra) for name, cfg in [p.values] if name == "bf16"
-            and not cfg["INDEX64"]]
+            and not cfg["INDEX64"] and not refused_int64(cfg)]
+
+
+def refused_int64(cfg):
+    """compute_out's 32-row tiles of several heads: they faulted in the 64-bit kernel on an
+    H200, so compute_out_plan refuses them there (tested below)."""
+    return cfg.get("BLOCK_M") == 32 and cfg.get("HEADS_PER_BLOCK", 1) > 1
 
 
 @pytest.mark.gpu
@@ -164,6 +170,23 @@ def test_fwd_pass_state_variant_int64(dtype_name, config):
 @pytest.mark.parametrize("dtype_name, config", int64_cases(out_mod, OUT_EXTRA))
 def test_compute_out_variant_int64(dtype_name, config):
     check(run_out, dtype_name, config, "cuda")
+
+
+def test_compute_out_refuses_tiles_that_fault_with_int64():
+    """Refused with a ValueError before any launch (so on the CPU too), with or without
+    INDEX64 asked for explicitly; the same tiles with 32-bit indices still run."""
+    default = out_mod.default_config(**shape(torch.bfloat16))
+    for hb in (2, 4):
+        bad = {**default, "BLOCK_M": 32, "HEADS_PER_BLOCK": hb, "INDEX64": True}
+        assert refused_int64(bad)
+        with pytest.raises(ValueError, match="BLOCK_M=32 with HEADS_PER_BLOCK"):
+            run_out("bf16", "cpu", bad)
+    check(run_out, "bf16", {**default, "BLOCK_M": 32, "HEADS_PER_BLOCK": 2}, "cpu")
+    big = dict(batch=1, seqlen=262144, nheads=80, headdim=64, ngroups=1, dstate=512,
+               chunk_size=256, dtype=torch.bfloat16)
+    assert out_mod.needs_int64(**big) and not out_mod.needs_int64(**dict(big, dstate=256))
+    assert not any(refused_int64(c) for c in out_mod.search_space(**big))
+    assert any(refused_int64(c) for c in out_mod.search_space(**dict(big, dstate=256)))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -8,7 +8,9 @@ The figure has three panels, each against the sequence length L (log axis), one 
     1. cutile's speedup over mamba_ssm's Triton kernels: solid at chunk 256 for both, dashed with
        each at its best chunk (when the CSV has several chunks); the line at 1.0 is parity
     2. TileGym's speedup over the Triton kernels, drawn the same way: how the other cuTile
-       implementation fares on the same problems
+       implementation fares on the same problems. A CSV with no TileGym row but with rows of
+       cutile_default (the same kernels at their default configs) shows instead the speedup of
+       the autotuned kernels over the defaults
     3. the roofline fraction at chunk 256 -- the share of the hardware limit (peak matmul rate or
        copy bandwidth, whichever binds, measured at the start of the run) that each
        implementation reaches: cutile solid, Triton dotted, TileGym dash-dotted
@@ -57,22 +59,27 @@ def plot(source, out, title=None):
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(dstates)}
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    panels = [(axes[0], "cutile", "cutile vs Triton (mamba_ssm): speedup"),
-              (axes[1], "tilegym", "TileGym vs Triton (mamba_ssm): speedup")]
-    for ax, num, heading in panels:
+    ran = {r["impl"] for r in rows if report.is_ok(r)}
+    panels = [(axes[0], "cutile", "triton", "cutile vs Triton (mamba_ssm): speedup", "Triton")]
+    if "tilegym" in ran or "cutile_default" not in ran:
+        panels.append((axes[1], "tilegym", "triton", "TileGym vs Triton (mamba_ssm): speedup", "Triton"))
+    else:
+        panels.append((axes[1], "cutile", "cutile_default", "cutile: autotuned vs default configs",
+                       "the default configs"))
+    for ax, num, den, heading, den_name in panels:
         drawn = False
         for n in dstates:
-            xs, ys = _series(pts, n, num, "triton", chunk)
+            xs, ys = _series(pts, n, num, den, chunk)
             if xs:
                 ax.plot(xs, ys, "o-", color=colors[n])
                 drawn = True
             if several_chunks:
-                xs, ys = _series(pts, n, num, "triton", "best")
+                xs, ys = _series(pts, n, num, den, "best")
                 if xs:
                     ax.plot(xs, ys, "s--", color=colors[n], alpha=0.7, markersize=4)
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_title(heading)
-        ax.set_ylabel("speedup over Triton (higher is better)")
+        ax.set_ylabel(f"speedup over {den_name} (higher is better)")
         styles = {f"both at chunk {chunk}": "-"}
         if several_chunks:
             styles["each at its best chunk"] = "--"
