@@ -1,0 +1,121 @@
+"""Read an autotune cache (``ops/autotune.py``'s JSON) as measurements: what each knob is worth.
+
+The tuner keeps, for every (kernel, shape) it searched, the time of every candidate config
+(CUDA events, GPU time only, on the real inputs). Compared with the default config's time at the
+same shape, each candidate says what its changes bought or cost there.
+
+    python tests/benchmark/tuning_report.py tests/benchmark/results/autotune_h200.json
+    python tests/benchmark/tuning_report.py CACHE --kernel compute_out --seqlen 65536 --dstate 512
+
+``load(path)`` -> entries; ``knobs(entry)`` -> one row per candidate (its changes from the
+default, time, speedup); ``best_single_knob(entries, kernel)`` -> for each knob, the speedup of
+the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape.
+"""
+import argparse
+import json
+
+# Knobs, and the names the notebook and tables use for them.
+KNOB_NAMES = {
+    "INDEX64": "64-bit indexing (no TMA)",
+    "SWAP": "operand order swapped",
+    "HEADS_PER_BLOCK": "heads per block",
+    "CHUNKS_PER_ITER": "chunks per iteration",
+    "LOAD_LAT": "load latency hint",
+    "STORE_LAT": "store latency hint",
+    "occupancy": "occupancy",
+    "BLOCK_M": "BLOCK_M", "BLOCK_K": "BLOCK_K", "BLOCK_P": "BLOCK_P", "BLOCK_N": "BLOCK_N",
+    "BLOCK_H": "BLOCK_H", "DSTATE_TILE": "DSTATE_TILE",
+}
+
+
+def load(path):
+    """-> list of entries: dict(kernel, device, shape (dict), config, ms, default, default_ms,
+    timings [(ms, config), ...]). The default is the first candidate timed (the search spaces
+    put it first); entries without per-candidate timings are skipped."""
+    with open(path) as f:
+        raw = json.load(f)
+    entries = []
+    for key, value in raw.items():
+        if not value.get("timings"):
+            continue
+        kernel, device, _, items = key.split("|")
+        shape = {}
+        for item in items.split(","):
+            k, v = item.split("=", 1)
+            shape[k] = int(v) if v.isdigit() else v
+        timings = [(float(ms), cfg) for ms, cfg in value["timings"]]
+        entries.append(dict(kernel=kernel, device=device, shape=shape, config=value["config"],
+                            ms=float(value["ms"]), default=timings[0][1],
+                            default_ms=timings[0][0], timings=timings))
+    entries.sort(key=lambda e: (e["kernel"], e["shape"].get("dstate", 0), e["shape"].get("seqlen", 0)))
+    return entries
+
+
+def find(entries, kernel, seqlen, dstate):
+    for e in entries:
+        if e["kernel"] == kernel and e["shape"]["seqlen"] == seqlen and e["shape"]["dstate"] == dstate:
+            return e
+    raise KeyError(f"no {kernel} entry at seqlen={seqlen} dstate={dstate}")
+
+
+def changes(cfg, default):
+    return {k: v for k, v in cfg.items() if default.get(k) != v}
+
+
+def label(diff):
+    return ", ".join(f"{k}={v}" for k, v in diff.items()) or "default"
+
+
+def knobs(entry):
+    """Rows (label, ms, speedup over the default), fastest first."""
+    rows = [(label(changes(cfg, entry["default"])), ms, entry["default_ms"] / ms)
+            for ms, cfg in entry["timings"]]
+    return sorted(rows, key=lambda r: r[1])
+
+
+def best_single_knob(entries, kernel, knob):
+    """{(seqlen, dstate): best speedup over the default among candidates that change ``knob``
+    and nothing else but occupancy} -- what that one change can buy at each shape."""
+    out = {}
+    for e in entries:
+        if e["kernel"] != kernel:
+            continue
+        best = None
+        for ms, cfg in e["timings"]:
+            diff = changes(cfg, e["default"])
+            if knob in diff and set(diff) <= {knob, "occupancy"}:
+                sp = e["default_ms"] / ms
+                best = sp if best is None else max(best, sp)
+        if best is not None:
+            out[(e["shape"]["seqlen"], e["shape"]["dstate"])] = best
+    return out
+
+
+def markdown(entry, top=None):
+    lines = [f"{entry['kernel']} at L={entry['shape']['seqlen']}, dstate={entry['shape']['dstate']} "
+             f"({entry['device']}): default {entry['default_ms']:.3f} ms, tuned {entry['ms']:.3f} ms",
+             "", "| config (changes from the default) | ms | speedup |", "| --- | ---: | ---: |"]
+    for name, ms, sp in knobs(entry)[:top]:
+        lines.append(f"| {name} | {ms:.3f} | {sp:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cache")
+    ap.add_argument("--kernel", default=None)
+    ap.add_argument("--seqlen", type=int, default=None)
+    ap.add_argument("--dstate", type=int, default=None)
+    ap.add_argument("--top", type=int, default=None)
+    args = ap.parse_args(argv)
+    for e in load(args.cache):
+        s = e["shape"]
+        if ((args.kernel and e["kernel"] != args.kernel) or (args.seqlen and s["seqlen"] != args.seqlen)
+                or (args.dstate and s["dstate"] != args.dstate)):
+            continue
+        print(markdown(e, args.top))
+        print()
+
+
+if __name__ == "__main__":
+    main()

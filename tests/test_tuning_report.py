@@ -1,0 +1,49 @@
+"""tests/benchmark/tuning_report.py on a small hand-made autotune cache."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "benchmark"))
+import tuning_report  # noqa: E402
+
+DEFAULT = {"BLOCK_M": 64, "SWAP": False, "occupancy": None, "INDEX64": False}
+
+
+def _cache(tmp_path):
+    key = ("compute_out|Test GPU|cuda-tile 1.7.0|batch=1,chunk_size=256,dstate={n},dtype=bfloat16,"
+           "features=D,headdim=64,ngroups=1,nheads=80,seqlen={L},states_dtype=bfloat16")
+    timings = [[2.0, DEFAULT], [1.6, {**DEFAULT, "SWAP": True}],
+               [1.0, {**DEFAULT, "SWAP": True, "BLOCK_M": 128}], [4.0, {**DEFAULT, "INDEX64": True}],
+               [2.5, {**DEFAULT, "occupancy": 2}], [1.25, {**DEFAULT, "SWAP": True, "occupancy": 2}]]
+    raw = {key.format(n=128, L=65536): {"config": timings[2][1], "ms": 1.0, "timings": timings},
+           key.format(n=256, L=65536): {"config": DEFAULT, "ms": 2.0},   # an old entry: no timings
+           }
+    path = tmp_path / "cache.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_reads_every_candidate_against_the_default(tmp_path):
+    entries = tuning_report.load(_cache(tmp_path))
+    assert len(entries) == 1                       # the entry without timings is skipped
+    e = entries[0]
+    assert e["kernel"] == "compute_out" and e["shape"]["seqlen"] == 65536 and e["shape"]["dstate"] == 128
+    assert e["default_ms"] == 2.0 and e["ms"] == 1.0
+    rows = tuning_report.knobs(e)
+    assert rows[0] == ("BLOCK_M=128, SWAP=True", 1.0, 2.0) and rows[-1][0] == "INDEX64=True"
+    assert ("default", 2.0, 1.0) in rows
+    assert tuning_report.find(entries, "compute_out", 65536, 128) is e
+    with pytest.raises(KeyError):
+        tuning_report.find(entries, "compute_out", 65536, 512)
+
+
+def test_single_knob_effects_ignore_combinations(tmp_path):
+    entries = tuning_report.load(_cache(tmp_path))
+    # SWAP alone 1.6 ms, SWAP with occupancy 1.25 ms: 1.6x; SWAP + BLOCK_M (1.0 ms) does not count
+    assert tuning_report.best_single_knob(entries, "compute_out", "SWAP") == {(65536, 128): 1.6}
+    assert tuning_report.best_single_knob(entries, "compute_out", "INDEX64") == {(65536, 128): 0.5}
+    assert tuning_report.best_single_knob(entries, "compute_out", "occupancy") == {(65536, 128): 0.8}
+    assert tuning_report.best_single_knob(entries, "fwd_pass_state", "SWAP") == {}
+    assert "| BLOCK_M=128, SWAP=True | 1.000 | 2.00x |" in tuning_report.markdown(entries[0])
