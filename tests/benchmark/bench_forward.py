@@ -97,7 +97,7 @@ CSV_COLUMNS = [
     "roofline_fraction", "roofline_ms", "rel_err", "rel_err_vs", "peak_mem_mb", "first_call_s",
     "task_s", "finite", "batch", "nheads", "headdim", "ngroups", "dtype", "flops", "bytes",
     "peak_tflops", "peak_gbps", "timer", "warmup_ms", "rep_ms", "device", "driver", "torch",
-    "triton", "cuda_tile", "mamba_ssm", "tilegym", "python", "git_commit", "started_at", "env",
+    "triton", "cuda_tile", "mamba_ssm", "tilegym", "python", "git_commit", "source_digest", "started_at", "env",
 ]
 
 
@@ -790,8 +790,24 @@ def run_metadata(args):
             meta["git_commit"] = out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
+    meta["source_digest"] = source_digest()
     meta["env"] = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(PASSED_ENV))
     return meta
+
+
+def source_digest(root=ROOT):
+    """A short SHA-256 of the code that runs (ops/, reference/, tests/benchmark/ Python files):
+    ties a CSV to the exact sources even where the checkout's git metadata is missing or stale
+    (``bench_forward.py --source-digest`` prints it for a checkout)."""
+    import hashlib
+    h = hashlib.sha256()
+    for folder in ("ops", "reference", os.path.join("tests", "benchmark")):
+        base = os.path.join(root, folder)
+        for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+            if name.endswith(".py"):
+                with open(os.path.join(base, name), "rb") as f:
+                    h.update(f"{folder}/{name}\0".encode() + f.read() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def make_tasks(args, impls):
@@ -838,6 +854,7 @@ def parse_args(argv):
                          "killed and recorded as crashed")
     ap.add_argument("--in-process", action="store_true", help="no worker processes (debugging: a crash ends the run)")
     ap.add_argument("--quiet-workers", action="store_true", help="do not echo the workers' output")
+    ap.add_argument("--source-digest", action="store_true", help="print the digest of the sources and exit")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--results", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -855,6 +872,9 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.source_digest:
+        print(source_digest())
+        return 0
     if args.worker:
         return worker_main(args.worker, args.results)
 
