@@ -384,13 +384,47 @@ def test_warm_compile_covers_every_search_space_config():
     import warm_compile
     from ops.forward import _MODULES
     args = argparse.Namespace(dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
-                              ngroups=1, chunk=256)
+                              ngroups=1, chunks=[128, 256], tilegym=True)
     tasks = warm_compile._tasks(args)
     for name, module in _MODULES.items():
         for dstate in (64, 256):
-            shape = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, dstate=dstate,
-                         chunk_size=256, dtype=torch.bfloat16, states_dtype=torch.bfloat16)
-            listed = [cfg for n, L, d, cfg in tasks if n == name and L == 16384
-                      and (d == dstate or name == "chunk_cumsum")]
-            assert all(cfg in listed for cfg in module.search_space(**shape))
-    assert sum(1 for n, L, d, _ in tasks if n == "chunk_cumsum" and d == 256) == 0
+            for chunk in (128, 256):
+                shape = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, dstate=dstate,
+                             chunk_size=chunk, dtype=torch.bfloat16, states_dtype=torch.bfloat16)
+                listed = [cfg for n, L, d, c, cfg in tasks if n == name and L == 16384 and c == chunk
+                          and (d == dstate or name == "chunk_cumsum")]
+                assert all(cfg in listed for cfg in module.search_space(**shape))
+    assert sum(1 for n, L, d, c, _ in tasks if n == "chunk_cumsum" and d == 256) == 0
+    # TileGym: one call per (seqlen, dstate, chunk), first in the list
+    assert [t[:4] for t in tasks[:8]] == [("tilegym", L, d, c) for c in (128, 256) for d in (64, 256)
+                                         for L in (1024, 16384)]
+    assert all(t[0] != "tilegym" for t in tasks[8:])
+
+
+def test_ncu_summary_reads_the_raw_page(tmp_path):
+    """ncu_summary.py on a small raw-page CSV in ncu's layout: header, units, one row per launch."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmark"))
+    import ncu_summary
+    header = ["ID", "Kernel Name", "gpu__time_duration.sum",
+              "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+              "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+              "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
+              "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+              "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"]
+    units = ["", "", "msecond", "%", "%", "%", "register/thread", "ratio", "ratio", "ratio"]
+    rows = [["0", "compute_out_kernel", "4.5", "35.2", "48.0", "22.1", "168", "6.0", "1.0", "3.0"],
+            ["1", "fwd_pass_state_kernel", "1,200", "10", "30", "12", "128", "0", "", "2"]]
+    path = tmp_path / "raw.csv"
+    with open(path, "w", newline="") as f:
+        f.write("==PROF== Disconnected from process 1\n")
+        csv.writer(f).writerows([header, units] + rows)
+    recs = ncu_summary.read(path)
+    assert [r["name"] for r in recs] == ["compute_out_kernel", "fwd_pass_state_kernel"]
+    assert recs[0]["duration_us"] == 4500.0 and recs[1]["duration_us"] == 1200.0 * 1e3
+    assert recs[0]["stalls"] == {"long_scoreboard": 6.0, "barrier": 1.0, "wait": 3.0}
+    assert recs[1]["stalls"] == {"wait": 2.0}
+    lines = ncu_summary.summary_lines(recs, top=2)
+    assert "4500.0 us; SM 35% memory 48% of peak; occupancy 22%" in lines[0]
+    assert lines[1].strip() == "stalls per issued instruction: long_scoreboard 6.0 (60%), wait 3.0 (30%)"
+    assert "theoretical -%" in lines[0]           # a metric the CSV lacks

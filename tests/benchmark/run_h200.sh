@@ -4,8 +4,16 @@
 #   tests/benchmark/run_h200.sh              # both parts, in order: grid, then chunks
 #   tests/benchmark/run_h200.sh grid         # only the grid at chunk 256
 #   tests/benchmark/run_h200.sh chunks       # only the chunk sweep
+#   tests/benchmark/run_h200.sh warm grid    # compile everything first (in parallel), then the grid
+#   tests/benchmark/run_h200.sh profile      # ncu profiles (profile_ncu.sh) with the tuned configs
 #
 # Parts (80 heads x headdim 64, 1 group, bf16, batch 1; L 1K..256K; dstate 64..512):
+#   warm    warm_compile.py: every search-space config of this project's kernels (at WARM_CHUNKS,
+#           default 256) and, when tilegym is among IMPLS, TileGym's configs, compiled by WARM_PROCS
+#           processes into cuTile's disk cache, so the timed parts tune without compiling
+#                                                             -> $OUT/warm.log
+#   profile profile_ncu.sh at PROFILE_SHAPES (default 64K:256 256K:128), cutile and triton
+#                                                             -> $OUT/ncu_*.csv
 #   grid    triton, cutile, tilegym at chunk 256              -> $OUT/grid_chunk256.csv (+ .log .png .md)
 #   chunks  the same at chunks 64, 128 and 256 (the chunk-256 rows are taken over from the grid
 #           part, so only 64 and 128 run); each implementation's best chunk is marked
@@ -86,6 +94,15 @@ part() {
 
 for p in $PARTS; do
     case $p in
+        warm)
+            tg=""; case ",$IMPLS," in *,tilegym,*) tg="--tilegym" ;; esac
+            echo "=== warm: up to ${WARM_LIMIT:-240} s"
+            timeout -k 10 "${WARM_LIMIT:-240}" python tests/benchmark/warm_compile.py \
+                --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "${WARM_CHUNKS:-256}" $tg 2>&1 \
+                | tee -a "$OUT/warm.log" | tail -8
+            ;;
+        profile)
+            SHAPES=${PROFILE_SHAPES:-"64K:256 256K:128"} OUT="$OUT" tests/benchmark/profile_ncu.sh ;;
         grid)
             part grid_chunk256 "$GRID_LIMIT" --impls "$IMPLS" --seqlens "$SEQLENS" --dstates "$DSTATES" \
                 --chunks 256 ;;
@@ -97,7 +114,7 @@ for p in $PARTS; do
             part grid_chunks "$CHUNKS_LIMIT" --impls "$IMPLS" --seqlens "$SWEEP_SEQLENS" --dstates "$DSTATES" \
                 --chunks "$SWEEP_CHUNKS" ;;
         *)
-            echo "unknown part '$p' (parts: grid, chunks)"; exit 2 ;;
+            echo "unknown part '$p' (parts: warm, grid, chunks, profile)"; exit 2 ;;
     esac
 done
 echo "=== all done in $(elapsed "$START"); results in $OUT"

@@ -8,9 +8,16 @@ inputs with the same constants and divisibility as the benchmark's, lets the tun
 compiled.
 
     python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,16384 --procs 12
+    python tests/benchmark/warm_compile.py --chunks 64,128,256 --tilegym     # + the chunk sweep, TileGym
 
 Each (dstate, seqlen) pair stands for the benchmark shapes that specialize alike: 1K tokens have
 4 chunks of 256 (not a multiple of 16), 4K and more have a multiple of 16 chunks.
+
+``--tilegym`` also warms TileGym's cuTile kernels the same way: it calls TileGym's forward (which
+runs its own exhaustive autotuning, compiling each of its configs) once per (dstate, seqlen, chunk)
+in the worker processes. The configs those processes pick are thrown away -- they time on a shared
+GPU -- but the compiled kernels land in the same disk cache, so the benchmark's TileGym worker
+tunes without compiling.
 """
 import argparse
 import multiprocessing as mp
@@ -36,18 +43,22 @@ def _inputs(seqlen, dstate, nheads, headdim, ngroups):
 def _tasks(args):
     import torch
     from ops.forward import _MODULES
-    tasks = []
-    for dstate in args.dstates:
-        for seqlen in args.seqlens:
-            shape = dict(batch=1, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
-                         ngroups=args.ngroups, dstate=dstate, chunk_size=args.chunk,
-                         dtype=torch.bfloat16, states_dtype=torch.bfloat16)
-            for name in KERNELS:
-                if name == "chunk_cumsum" and dstate != args.dstates[0]:
-                    continue            # it never sees dstate: one set of compiles serves all
-                for cfg in _MODULES[name].search_space(**shape):
-                    tasks.append((name, seqlen, dstate, cfg))
-    return tasks
+    tasks, tilegym = [], []
+    for chunk in args.chunks:
+        for dstate in args.dstates:
+            for seqlen in args.seqlens:
+                shape = dict(batch=1, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
+                             ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
+                             dtype=torch.bfloat16, states_dtype=torch.bfloat16)
+                for name in KERNELS:
+                    if name == "chunk_cumsum" and dstate != args.dstates[0]:
+                        continue        # it never sees dstate: one set of compiles serves all
+                    for cfg in _MODULES[name].search_space(**shape):
+                        tasks.append((name, seqlen, dstate, chunk, cfg))
+        if args.tilegym:
+            tilegym += [("tilegym", seqlen, dstate, chunk, None)
+                        for dstate in args.dstates for seqlen in args.seqlens if seqlen % chunk == 0]
+    return tilegym + tasks      # the long TileGym searches first: one or two per process
 
 
 def _worker(job):
@@ -58,19 +69,37 @@ def _worker(job):
     import torch
     from ops.forward import kernel_forward
     results, inputs = [], {}
-    for name, seqlen, dstate, cfg in tasks:
+    for name, seqlen, dstate, chunk, cfg in tasks:
         key = (seqlen, dstate)
         if key not in inputs:
             inputs.clear()
             inputs[key] = _inputs(seqlen, dstate, args.nheads, args.headdim, args.ngroups)
         t0 = time.time()
         try:
-            kernel_forward(**inputs[key], chunk_size=args.chunk, dt_softplus=True, configs={name: cfg})
+            if name == "tilegym":
+                _tilegym_forward(inputs[key], chunk)
+            else:
+                kernel_forward(**inputs[key], chunk_size=chunk, dt_softplus=True, configs={name: cfg})
             torch.cuda.synchronize()
-            results.append((name, seqlen, dstate, cfg, "ok", time.time() - t0))
+            results.append((name, seqlen, dstate, chunk, cfg, "ok", time.time() - t0))
         except Exception as e:   # a config that fails here is skipped by the tuner too
-            results.append((name, seqlen, dstate, cfg, f"{type(e).__name__}: {str(e)[:120]}", time.time() - t0))
+            results.append((name, seqlen, dstate, chunk, cfg, f"{type(e).__name__}: {str(e)[:120]}",
+                            time.time() - t0))
     return results
+
+
+def _tilegym_forward(inp, chunk):
+    """TileGym's forward as the benchmark calls it (processed dt, zero initial state)."""
+    import contextlib
+    import io
+    import torch
+    from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
+    from reference.common import process_dt
+    dt = process_dt(inp["dt"], inp["dt_bias"], dt_softplus=True).float().contiguous()
+    b, _, h, p = inp["x"].shape
+    h0 = torch.zeros(b, h, p, inp["B"].shape[-1], device="cuda", dtype=torch.float32)
+    with contextlib.redirect_stdout(io.StringIO()):     # its tuner prints every config's time
+        mamba2_chunk_forward(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt, h0, chunk_size=chunk)
 
 
 def main(argv=None):
@@ -80,11 +109,13 @@ def main(argv=None):
     ap.add_argument("--nheads", type=int, default=80)
     ap.add_argument("--headdim", type=int, default=64)
     ap.add_argument("--ngroups", type=int, default=1)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunks", default="256", help="chunk sizes, e.g. 64,128,256")
+    ap.add_argument("--tilegym", action="store_true", help="also warm TileGym's kernels (see above)")
     ap.add_argument("--procs", type=int, default=min(12, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     args.dstates = [int(v) for v in args.dstates.split(",")]
     args.seqlens = [int(v) for v in args.seqlens.split(",")]
+    args.chunks = [int(v) for v in args.chunks.split(",")]
 
     tasks = _tasks(args)
     # Interleave so every process gets a mix of kernels (compile times differ a lot).
@@ -94,11 +125,11 @@ def main(argv=None):
     with mp.get_context("spawn").Pool(len(jobs)) as pool:
         for results in pool.imap_unordered(_worker, jobs):
             done += len(results)
-            failed += [r for r in results if r[4] != "ok"]
+            failed += [r for r in results if r[5] != "ok"]
             print(f"  {done}/{len(tasks)} done ({time.time() - t0:.0f} s)", flush=True)
     print(f"{len(tasks) - len(failed)} compiled, {len(failed)} failed, {time.time() - t0:.0f} s")
-    for name, seqlen, dstate, cfg, status, _ in failed:
-        print(f"  FAILED {name} L={seqlen} dstate={dstate} {cfg}: {status}")
+    for name, seqlen, dstate, chunk, cfg, status, _ in failed:
+        print(f"  FAILED {name} L={seqlen} dstate={dstate} chunk={chunk} {cfg}: {status}")
 
 
 if __name__ == "__main__":
