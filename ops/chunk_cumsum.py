@@ -132,12 +132,12 @@ def chunk_cumsum_kernel(
 # the rest): batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size, dtype (x's) and
 # optionally states_dtype (defaults to dtype, as in ops.forward). The helpers below are shared.
 
-HINT_KEYS = ("occupancy", "num_ctas")   # compiler hints; None keeps the kernel's own
+HINT_KEYS = ("occupancy", "num_ctas", "num_worker_warps")   # compiler hints; None keeps the kernel's own
 _HINTED = {}                             # (kernel, hints) -> kernel with those hints
 
 
 def with_hints(kernel, config):
-    """``kernel`` with the config's compiler hints (occupancy, num_ctas) applied.
+    """``kernel`` with the config's compiler hints (occupancy, num_ctas, num_worker_warps) applied.
 
     ``replace_hints`` returns a new kernel object with its own compile cache, so calling it on
     every launch would recompile every time; keeping one object per (kernel, hints) means each
@@ -165,6 +165,9 @@ def resolve_config(config, default):
         if key in merged and not (isinstance(merged[key], int) and 0 <= merged[key] <= 10):
             raise ValueError(f"{key} must be an int in 0..10 (0 = no hint), got {merged[key]!r}")
     occ, ctas = merged.get("occupancy"), merged.get("num_ctas")
+    if merged.get("num_worker_warps") not in (None, 4, 8):
+        # 4 and 8 are what the TileIR compiler 13.4 accepts (others need 13.5)
+        raise ValueError(f"num_worker_warps must be None, 4 or 8, got {merged['num_worker_warps']!r}")
     if occ is not None and not (isinstance(occ, int) and 1 <= occ <= 32):
         raise ValueError(f"occupancy must be None or an int in 1..32, got {occ!r}")
     if ctas not in (None, 1):
@@ -198,7 +201,7 @@ def unique(configs):
 def default_config(*, nheads, **_):
     """Today's choice: 16 heads per block (fewer when there are fewer heads), no hints."""
     return dict(BLOCK_H=min(16, _next_pow2(nheads)), LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
-                occupancy=None, num_ctas=None)
+                occupancy=None, num_ctas=None, num_worker_warps=None)
 
 
 def search_space(*, nheads, **shape):

@@ -520,7 +520,8 @@ def default_config(*, chunk_size, headdim, dstate, **_):
     latency hints, the kernel's own occupancy hint (3 on sm_90)."""
     bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
     return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1, INDEX64=False,
-                SWAP=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None, num_ctas=None)
+                SWAP=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None, num_ctas=None,
+                num_worker_warps=None)
 
 
 def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
@@ -569,7 +570,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
     The core is HEADS_PER_BLOCK x SWAP x tiles (BLOCK_M, BLOCK_K in 32..128), each at the
     highest occupancy (<= 3) its estimated register footprint allows (two heads: also one
     less); around the default and the two-heads variant: other occupancies, latency hints and
-    2-CTA clusters; for dstate > 128 also the whole dstate in one slice (C rows resident)."""
+    eight worker warps for one, two and four heads; for dstate > 128 also the whole dstate in one
+    slice (C rows resident)."""
     kw = dict(chunk_size=chunk_size, headdim=headdim, dstate=dstate, dtype=dtype)
     base = default_config(**kw)
 
@@ -624,6 +626,17 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
         # kernel on an H200 (seen at 256K tokens x dstate 512, reproduced small by
         # tests/test_variants.py); compute_out_plan refuses them.
         kept = [c for c in kept if not (c["BLOCK_M"] == 32 and c["HEADS_PER_BLOCK"] > 1)]
+    # Eight worker warps instead of the compiler's four: each block's tiles are split over more
+    # threads, so each needs fewer registers. On sm_90 two heads per block then need 80 registers
+    # per thread instead of 128 (the cap), and four heads spill less (python -m ops.sass).
+    # Blocks of 384 threads: at most two per multiprocessor at that register count.
+    wide = [{**base, "occupancy": 2}]
+    if 2 in heads:
+        wide += [{**base, "HEADS_PER_BLOCK": 2, "occupancy": o} for o in (2, 1)]
+        wide += [{**base, "HEADS_PER_BLOCK": 2, "SWAP": True, "occupancy": 2}]
+    if 4 in heads:
+        wide += [{**base, "HEADS_PER_BLOCK": 4, "occupancy": 1}]
+    kept += [{**c, "num_worker_warps": 8} for c in wide if fits(c, **kw)]
     return unique(kept + [{**kept[0], "INDEX64": True}])
 
 

@@ -12,6 +12,7 @@ Each kernel takes a config (tile sizes, variants, compiler hints: see each modul
 ``default_config`` and ``search_space``); ``configs`` maps a kernel's name to its config, and a
 missing kernel (or a missing key of a config) takes the default.
 """
+import hashlib
 import math
 
 import torch
@@ -64,6 +65,9 @@ def _choose(name, shape, features, run, tuning):
     key["seqlen"] = seqlen_bucket(shape["seqlen"])
     key["features"] = features
     space = module.search_space(**{k: v for k, v in shape.items() if k != "on_gpu"})
+    # A fingerprint of the candidates: when a search space changes, its shapes are tuned again
+    # instead of reusing a winner picked from the old list.
+    key["space"] = hashlib.sha256(repr(space).encode()).hexdigest()[:8]
     return tuner().best(name, key, space, default, run)
 
 

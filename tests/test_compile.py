@@ -180,6 +180,9 @@ KINDS = [
     ("compute_out", 256, "whole-dstate", lambda c, d: c["DSTATE_TILE"] == 256, HOPPER),
     ("compute_out", 128, "latency", lambda c, d: c["LOAD_LAT"] or c["STORE_LAT"], HOPPER),
     ("compute_out", 128, "hints", lambda c, d: c["occupancy"] not in (None, d["occupancy"]), HOPPER),
+    ("compute_out", 128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8 and c["HEADS_PER_BLOCK"] == 2,
+     BOTH),
+    ("fwd_pass_state", 128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8, HOPPER),
 ]
 MODULES = {"chunk_cumsum": cumsum_mod, "fwd_pass_state": state_mod, "compute_out": out_mod}
 

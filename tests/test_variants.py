@@ -219,6 +219,8 @@ def test_kernel_forward_configs(device):
         # clusters of two CTAs computed wrong results on the H200: refused, not run
         with pytest.raises(ValueError, match="num_ctas must be None or 1"):
             kernel_forward(chunk_size=CHUNK, **kw, configs={name: {"num_ctas": 2}})
+        with pytest.raises(ValueError, match="num_worker_warps must be None, 4 or 8"):
+            kernel_forward(chunk_size=CHUNK, **kw, configs={name: {"num_worker_warps": 2}})
 
 
 # Search spaces and hints (no kernel runs) --------------------------------------------------------
