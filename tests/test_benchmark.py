@@ -384,7 +384,7 @@ def test_warm_compile_covers_every_search_space_config():
     import warm_compile
     from ops.forward import _MODULES
     args = argparse.Namespace(dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
-                              ngroups=1, chunks=[128, 256], tilegym=True)
+                              ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=2)
     tasks = warm_compile._tasks(args)
     for name, module in _MODULES.items():
         for dstate in (64, 256):
@@ -395,10 +395,45 @@ def test_warm_compile_covers_every_search_space_config():
                           and (d == dstate or name == "chunk_cumsum")]
                 assert all(cfg in listed for cfg in module.search_space(**shape))
     assert sum(1 for n, L, d, c, _ in tasks if n == "chunk_cumsum" and d == 256) == 0
-    # TileGym: one call per (seqlen, dstate, chunk), first in the list
-    assert [t[:4] for t in tasks[:8]] == [("tilegym", L, d, c) for c in (128, 256) for d in (64, 256)
-                                         for L in (1024, 16384)]
-    assert all(t[0] != "tilegym" for t in tasks[8:])
+    # TileGym: one call per (seqlen, dstate, chunk) and slice of its config lists, first
+    assert tasks[:16] == [("tilegym", L, d, c, (part, 2)) for c in (128, 256) for d in (64, 256)
+                          for L in (1024, 16384) for part in (0, 1)]
+    assert all(t[0] != "tilegym" for t in tasks[16:])
+
+
+def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
+    """Each warm-up process sees every n-th of TileGym's configs (a fake TileGym module stands in),
+    and TileGym's own functions are restored afterwards."""
+    import types
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmark"))
+    import warm_compile
+    seen = {}
+    fake = types.ModuleType("tilegym.ops.cutile.mamba2")
+    fake._chunk_cumsum_autotune_configs = lambda num_heads: iter(range(5))
+    fake._fwd_pass_state_autotune_configs = lambda *a, **k: iter(range(7))
+    fake._compute_out_configs = lambda *a: iter(range(3))
+    fake._compute_out_swap_configs = lambda *a: iter(range(3))
+    fake._chunk_cumsum_tune_cache = {"old": 1}
+    originals = {n: getattr(fake, n) for n in warm_compile.TILEGYM_CONFIG_LISTS}
+
+    def forward(*args, chunk_size):
+        seen["cumsum"] = fake._chunk_cumsum_autotune_configs(num_heads=4)
+        seen["state"] = fake._fwd_pass_state_autotune_configs(64, 64, chunk_size)
+        seen["out"] = fake._compute_out_configs(64, 64)
+    fake.mamba2_chunk_forward = forward
+    for name in ("tilegym", "tilegym.ops", "tilegym.ops.cutile"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "tilegym.ops.cutile.mamba2", fake)
+    inp = dict(x=torch.randn(1, 8, 2, 4), dt=torch.randn(1, 8, 2), dt_bias=torch.randn(2), A=None,
+               B=torch.randn(1, 8, 1, 4), C=None, D=None)
+    monkeypatch.setattr(torch, "zeros", lambda *s, **k: None)      # no CUDA here
+    warm_compile._tilegym_forward(inp, 4, part=1, nparts=3)
+    assert seen == {"cumsum": [1, 4], "state": [1, 4], "out": [1]}
+    assert fake._chunk_cumsum_tune_cache == {}
+    assert all(getattr(fake, n) is f for n, f in originals.items())
+    warm_compile._tilegym_forward(inp, 4, part=4, nparts=5)       # an empty slice: the first config
+    assert seen["out"] == [0] and seen["state"] == [4]
 
 
 def test_ncu_summary_reads_the_raw_page(tmp_path):

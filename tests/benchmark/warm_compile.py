@@ -56,9 +56,10 @@ def _tasks(args):
                     for cfg in _MODULES[name].search_space(**shape):
                         tasks.append((name, seqlen, dstate, chunk, cfg))
         if args.tilegym:
-            tilegym += [("tilegym", seqlen, dstate, chunk, None)
-                        for dstate in args.dstates for seqlen in args.seqlens if seqlen % chunk == 0]
-    return tilegym + tasks      # the long TileGym searches first: one or two per process
+            tilegym += [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
+                        for dstate in args.dstates for seqlen in args.seqlens if seqlen % chunk == 0
+                        for part in range(args.tilegym_parts)]
+    return tilegym + tasks      # the long TileGym searches first
 
 
 def _worker(job):
@@ -77,7 +78,7 @@ def _worker(job):
         t0 = time.time()
         try:
             if name == "tilegym":
-                _tilegym_forward(inputs[key], chunk)
+                _tilegym_forward(inputs[key], chunk, *cfg)
             else:
                 kernel_forward(**inputs[key], chunk_size=chunk, dt_softplus=True, configs={name: cfg})
             torch.cuda.synchronize()
@@ -88,18 +89,41 @@ def _worker(job):
     return results
 
 
-def _tilegym_forward(inp, chunk):
-    """TileGym's forward as the benchmark calls it (processed dt, zero initial state)."""
+# TileGym's functions listing each kernel's autotuning configs (tilegym/ops/cutile/mamba2.py).
+TILEGYM_CONFIG_LISTS = ("_chunk_cumsum_autotune_configs", "_fwd_pass_state_autotune_configs",
+                        "_compute_out_configs", "_compute_out_swap_configs")
+TILEGYM_TUNE_CACHES = ("_chunk_cumsum_tune_cache", "_fwd_pass_state_tune_cache", "_compute_out_tune_cache")
+
+
+def _tilegym_forward(inp, chunk, part=0, nparts=1):
+    """TileGym's forward as the benchmark calls it (processed dt, zero initial state), with each
+    of its autotuning lists cut to every ``nparts``-th config from ``part`` on: its exhaustive
+    search then compiles only those, and ``nparts`` processes compile one shape's configs together."""
     import contextlib
     import io
     import torch
-    from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
+    import tilegym.ops.cutile.mamba2 as tg
     from reference.common import process_dt
     dt = process_dt(inp["dt"], inp["dt_bias"], dt_softplus=True).float().contiguous()
     b, _, h, p = inp["x"].shape
     h0 = torch.zeros(b, h, p, inp["B"].shape[-1], device="cuda", dtype=torch.float32)
-    with contextlib.redirect_stdout(io.StringIO()):     # its tuner prints every config's time
-        mamba2_chunk_forward(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt, h0, chunk_size=chunk)
+
+    def sliced(listing):
+        def configs(*a, **k):
+            every = list(listing(*a, **k))
+            return every[part::nparts] or every[:1]
+        return configs
+    originals = {name: getattr(tg, name) for name in TILEGYM_CONFIG_LISTS if hasattr(tg, name)}
+    for name in TILEGYM_TUNE_CACHES:
+        getattr(tg, name, {}).clear()
+    try:
+        for name, listing in originals.items():
+            setattr(tg, name, sliced(listing))
+        with contextlib.redirect_stdout(io.StringIO()):     # its tuner prints every config's time
+            tg.mamba2_chunk_forward(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt, h0, chunk_size=chunk)
+    finally:
+        for name, listing in originals.items():
+            setattr(tg, name, listing)
 
 
 def main(argv=None):
@@ -111,6 +135,8 @@ def main(argv=None):
     ap.add_argument("--ngroups", type=int, default=1)
     ap.add_argument("--chunks", default="256", help="chunk sizes, e.g. 64,128,256")
     ap.add_argument("--tilegym", action="store_true", help="also warm TileGym's kernels (see above)")
+    ap.add_argument("--tilegym-parts", type=int, default=8,
+                    help="processes sharing one shape's TileGym configs (each compiles every n-th)")
     ap.add_argument("--procs", type=int, default=min(12, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     args.dstates = [int(v) for v in args.dstates.split(",")]
