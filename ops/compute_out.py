@@ -88,6 +88,7 @@ import torch
 import cuda.tile as ct
 
 from .chunk_cumsum import _esize, latency_hint, new_output, resolve_config, unique, with_hints
+from .chunk_scores import chunk_scores_plan, new_scores
 from .fwd_pass_state import check_sizes
 from .launch import fit_index_width, launch
 
@@ -128,6 +129,18 @@ def rows_by_cols(rows_op, cols_op, acc, SWAP):
     return ct.mma(rows_op, ct.transpose(cols_op), acc)
 
 
+def scores_tile(scores, b, c, g, m, j, BLOCK_M, BLOCK_K, SWAP, LOAD_LAT):
+    """Row tile m x column tile j of chunk c's precomputed C B^T (group g), float32, in the
+    products' orientation ((BLOCK_K, BLOCK_M) with SWAP, read through a transposing order=)."""
+    if SWAP:
+        t = ct.load(scores, (b, c, g, j, m), shape=(1, 1, 1, BLOCK_K, BLOCK_M),
+                    order=(0, 1, 2, 4, 3), latency=latency_hint(LOAD_LAT))
+        return ct.reshape(t, (BLOCK_K, BLOCK_M))
+    t = ct.load(scores, (b, c, g, m, j), shape=(1, 1, 1, BLOCK_M, BLOCK_K),
+                latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (BLOCK_M, BLOCK_K))
+
+
 def load_rows(array, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT):
     """BLOCK_M tokens x BLOCK_P headdim columns of head h of a (batch, seqlen, nheads, headdim)
     array, as float32, in the accumulator's orientation ((BLOCK_P, BLOCK_M) with SWAP)."""
@@ -152,6 +165,8 @@ def compute_out_kernel(
     z: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim); unread if not HAS_Z
     seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
     out: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim), x's dtype
+    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T;
+                                        # unread if not SCORES_IN_MEMORY (ops/chunk_scores.py)
     heads_per_group: int,
     CHUNK: ConstInt,
     BLOCK_M: ConstInt,
@@ -164,6 +179,7 @@ def compute_out_kernel(
     HAS_Z: ConstBool,
     HAS_SEQ_IDX: ConstBool,
     SWAP: ConstBool,                    # transposed products (see "Operand order")
+    SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
     LOAD_LAT: ConstInt,                 # latency hint of the x, B, C, z, state loads; 0 = none
     STORE_LAT: ConstInt,                # latency hint of the output store; 0 = none
 ):
@@ -232,7 +248,9 @@ def compute_out_kernel(
             cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
         else:
             cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
-        if NK == 1:
+        if SCORES_IN_MEMORY:
+            cb = scores_tile(scores, b, c, g, m, j, BLOCK_M, BLOCK_K, SWAP, LOAD_LAT)
+        elif NK == 1:
             b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
                                         padding_mode=ZERO, latency=lat),
                                 (BLOCK_K, DSTATE)).astype(cdtype)
@@ -360,6 +378,8 @@ def compute_out_heads_kernel(
     z: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim); unread if not HAS_Z
     seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
     out: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim), x's dtype
+    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T;
+                                        # unread if not SCORES_IN_MEMORY (ops/chunk_scores.py)
     heads_per_group: int,
     CHUNK: ConstInt,
     BLOCK_M: ConstInt,
@@ -372,6 +392,7 @@ def compute_out_heads_kernel(
     HAS_Z: ConstBool,
     HAS_SEQ_IDX: ConstBool,
     SWAP: ConstBool,
+    SCORES_IN_MEMORY: ConstBool,
     LOAD_LAT: ConstInt,
     STORE_LAT: ConstInt,
     HEADS_PER_BLOCK: ConstInt,          # HB heads of one group per block (divides heads_per_group)
@@ -440,7 +461,9 @@ def compute_out_heads_kernel(
             cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
         else:
             cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
-        if NK == 1:
+        if SCORES_IN_MEMORY:
+            cb = scores_tile(scores, b, c, g, m, j, BLOCK_M, BLOCK_K, SWAP, LOAD_LAT)
+        elif NK == 1:
             b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
                                         padding_mode=ZERO, latency=lat),
                                 (BLOCK_K, DSTATE)).astype(cdtype)
@@ -520,8 +543,8 @@ def default_config(*, chunk_size, headdim, dstate, **_):
     latency hints, the kernel's own occupancy hint (3 on sm_90)."""
     bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
     return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1, INDEX64=False,
-                SWAP=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None, num_ctas=None,
-                num_worker_warps=None)
+                SWAP=False, SCORES_IN_MEMORY=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None,
+                num_ctas=None, num_worker_warps=None)
 
 
 def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
@@ -570,8 +593,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
     The core is HEADS_PER_BLOCK x SWAP x tiles (BLOCK_M, BLOCK_K in 32..128), each at the
     highest occupancy (<= 3) its estimated register footprint allows (two heads: also one
     less); around the default and the two-heads variant: other occupancies, latency hints and
-    eight worker warps for one, two and four heads; for dstate > 128 also the whole dstate in one
-    slice (C rows resident)."""
+    C B^T read from memory (SCORES_IN_MEMORY); eight worker warps for one, two and four heads;
+    for dstate > 128 also the whole dstate in one slice (C rows resident)."""
     kw = dict(chunk_size=chunk_size, headdim=headdim, dstate=dstate, dtype=dtype)
     base = default_config(**kw)
 
@@ -626,6 +649,13 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
         # kernel on an H200 (seen at 256K tokens x dstate 512, reproduced small by
         # tests/test_variants.py); compute_out_plan refuses them.
         kept = [c for c in kept if not (c["BLOCK_M"] == 32 and c["HEADS_PER_BLOCK"] > 1)]
+    # C B^T from memory (ops/chunk_scores.py) instead of in registers: one head per block at
+    # the default occupancy and at two, both operand orders, and two heads per block.
+    scored = [{**base, "SCORES_IN_MEMORY": True}, {**base, "SCORES_IN_MEMORY": True, "SWAP": True},
+              {**base, "SCORES_IN_MEMORY": True, "occupancy": 2}]
+    if 2 in heads:
+        scored.append({**base, "SCORES_IN_MEMORY": True, "HEADS_PER_BLOCK": 2, "occupancy": 2})
+    kept += [c for c in scored if fits(c, **kw)]
     # Eight worker warps instead of the compiler's four: each block's tiles are split over more
     # threads, so each needs fewer registers. On sm_90 two heads per block then need 80 registers
     # per thread instead of 128 (the cap), and four heads spill less (python -m ops.sass).
@@ -677,15 +707,17 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
     out = new_output(x.shape, x.dtype, x.device, poison)
     if seq_idx is not None and seq_idx.dtype != torch.int32:
         seq_idx = seq_idx.to(torch.int32)
+    in_memory = bool(cfg["SCORES_IN_MEMORY"])
     # Absent optional tensors are replaced by an input the compiled variant never reads.
     args = (x, B, C, dt_out, dA_cumsum, entry_states,
             D if D is not None else dA_cumsum,
             z if z is not None else x,
             seq_idx if seq_idx is not None else dt_out,
             out,
+            new_scores(B, chunk_size, poison) if in_memory else dA_cumsum,
             nheads // ngroups, chunk_size, bm, bk, bp, dstate, dtile,
             D is not None, D is not None and D.dim() == 2, z is not None, seq_idx is not None,
-            bool(cfg["SWAP"]), cfg["LOAD_LAT"], cfg["STORE_LAT"])
+            bool(cfg["SWAP"]), in_memory, cfg["LOAD_LAT"], cfg["STORE_LAT"])
     if hb == 1:
         kernel = compute_out_kernel
     else:
@@ -709,5 +741,22 @@ def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_id
     ``search_space``); None is ``default_config``."""
     grid, kernel, args, out = compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D, z,
                                                seq_idx, poison=poison, config=config)
+    for step in prerequisites(args):
+        launch(*step)
     launch(grid, kernel, args)
     return out
+
+
+def prerequisites(args):
+    """The launches a compute_out plan's ``args`` need before it runs: with SCORES_IN_MEMORY,
+    the chunk_scores kernel filling the scores buffer (in the same tiles); otherwise none."""
+    if not args[_ARG_SCORES_IN_MEMORY]:
+        return []
+    B, C, scores = args[1], args[2], args[_ARG_SCORES]
+    bm, bk, dtile = args[_ARG_BLOCK_M], args[_ARG_BLOCK_K], args[_ARG_DSTATE_TILE]
+    return [chunk_scores_plan(B, C, scores, bm, bk, dtile, load_lat=args[_ARG_LOAD_LAT])]
+
+
+# Positions in the kernels' argument list (see compute_out_plan).
+_ARG_SCORES, _ARG_BLOCK_M, _ARG_BLOCK_K, _ARG_DSTATE_TILE = 10, 13, 14, 17
+_ARG_SCORES_IN_MEMORY, _ARG_LOAD_LAT = 23, 24

@@ -116,6 +116,17 @@ def test_compile_compute_out(v, arch):
 
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dstate", [128, 256])
+def test_compile_chunk_scores(dstate, arch):
+    """compute_out's optional first step (SCORES_IN_MEMORY), in the tiles compute_out reads."""
+    from ops.chunk_scores import chunk_scores_plan
+    B = meta(BATCH, SEQLEN, NGROUPS, dstate, dtype=torch.bfloat16)
+    scores = meta(BATCH, -(-SEQLEN // 256), NGROUPS, 256, 256)
+    _, kernel, args = chunk_scores_plan(B, B, scores, 64, 64, min(dstate, 128))
+    assert len(compile_cubin(kernel, args, arch)) > 0
+
+
 # Tuning variants at a realistic shape ----------------------------------------------------------
 #
 # A Mamba-2 layer of a ~2.7B model (batch 1, 16K tokens, 80 heads of 64, one group, bf16, chunks
@@ -180,6 +191,10 @@ KINDS = [
     ("compute_out", 256, "whole-dstate", lambda c, d: c["DSTATE_TILE"] == 256, HOPPER),
     ("compute_out", 128, "latency", lambda c, d: c["LOAD_LAT"] or c["STORE_LAT"], HOPPER),
     ("compute_out", 128, "hints", lambda c, d: c["occupancy"] not in (None, d["occupancy"]), HOPPER),
+    ("compute_out", 256, "scores-in-memory", lambda c, d: c["SCORES_IN_MEMORY"] and not c["SWAP"]
+     and c["HEADS_PER_BLOCK"] == 1 and c["occupancy"] is None, BOTH),
+    ("compute_out", 256, "scores-in-memory-2-heads", lambda c, d: c["SCORES_IN_MEMORY"]
+     and c["HEADS_PER_BLOCK"] == 2, HOPPER),
     ("compute_out", 128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8 and c["HEADS_PER_BLOCK"] == 2,
      BOTH),
     ("fwd_pass_state", 128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8, HOPPER),

@@ -263,6 +263,25 @@ def test_search_spaces(module, dstate, seqlen):
         assert all(isinstance(n, int) and n > 0 for n in grid), config
 
 
+def test_scores_in_memory_plans_their_first_step():
+    """With SCORES_IN_MEMORY the plan carries a (batch, nchunks, ngroups, CHUNK, CHUNK) float32
+    scores buffer and ``prerequisites`` returns the chunk_scores launch filling it, in the same
+    tiles and latency hint as compute_out's; without it, no extra launch."""
+    from ops.chunk_scores import chunk_scores_kernel
+    shape = dict(batch=1, seqlen=1000, nheads=8, headdim=32, ngroups=2, dstate=256, chunk_size=128,
+                 dtype=torch.bfloat16)
+    assert out_mod.prerequisites(_plan(shape, out_mod, None)[2]) == []
+    cfg = {"SCORES_IN_MEMORY": True, "BLOCK_M": 32, "BLOCK_K": 64, "LOAD_LAT": 3}
+    args = _plan(shape, out_mod, cfg)[2]
+    (grid, kernel, sargs), = out_mod.prerequisites(args)
+    B, C, scores = sargs[:3]
+    assert scores is args[out_mod._ARG_SCORES] and B is args[1] and C is args[2]
+    assert scores.shape == (1, 8, 2, 128, 128) and scores.dtype == torch.float32
+    assert sargs[3:] == (128, 32, 64, 256, 128, 3)        # CHUNK, tiles, DSTATE, its tile, latency
+    assert grid == (8 * 4 * 2, 2, 1)
+    assert kernel._pyfunc.__code__ is chunk_scores_kernel._pyfunc.__code__
+
+
 def test_hinted_kernels_are_cached_and_interpretable():
     """A config's occupancy / num_ctas come back as a kernel made by ``replace_hints``: one
     object per (kernel, hints), so each variant compiles once per process, around the same
