@@ -27,6 +27,9 @@ ENV_SWITCH = "MAMBA2_CUTILE_AUTOTUNE"
 ENV_CACHE = "MAMBA2_CUTILE_AUTOTUNE_CACHE"
 ENV_QUIET = "MAMBA2_CUTILE_AUTOTUNE_QUIET"
 
+# Suffix of the cache entry listing a shape's configs that faulted on the GPU.
+FAULTED = "|faulted"
+
 # A candidate replaces the default only when it is this much faster: closer than that is
 # within the timer's noise, and the default is the config the tests and the notebooks study.
 MARGIN = 0.03
@@ -149,6 +152,11 @@ class Autotuner:
             return memory[key]["config"]
 
         candidates = list(candidates) or [default]
+        # Configs that faulted on the GPU in an earlier process (see below) are not tried again.
+        faulted = memory.get(key + FAULTED, {}).get("configs", [])
+        if faulted:
+            candidates = [c for c in candidates if c not in faulted] or [default]
+            self._say(f"{kernel_name}: skipping {len(faulted)} config(s) that faulted here before")
         self.last_failures = []
         results = []
         start = time.time()
@@ -162,12 +170,17 @@ class Autotuner:
             except Exception as e:   # compile or launch failure: skip this candidate
                 if _breaks_context(e):
                     # A fault inside a kernel (illegal or misaligned address) leaves the CUDA
-                    # context unusable: every later candidate would fail too. Stop here.
+                    # context unusable: every later candidate would fail too. Stop here, and
+                    # remember the config so that the next process's search skips it.
+                    record = memory.setdefault(key + FAULTED, {"configs": []})
+                    record["configs"].append(cfg)
+                    self._save()
                     raise RuntimeError(
                         f"autotuning {kernel_name} ({desc}): config {_fmt(cfg)} faulted on the GPU "
                         f"({type(e).__name__}: {e}); the CUDA context is lost, so this process "
-                        f"cannot go on. Please report the config; meanwhile set {ENV_SWITCH}=0 "
-                        f"to run the defaults") from e
+                        f"cannot go on; the config is recorded in {self.path} and will be skipped "
+                        f"by the next search. Please report it (or set {ENV_SWITCH}=0 to run the "
+                        f"defaults)") from e
                 self.last_failures.append((cfg, f"{type(e).__name__}: {e}"))
                 self._say(f"  [{i}/{len(candidates)}] {_fmt(cfg)}: skipped ({type(e).__name__})")
                 continue

@@ -158,7 +158,8 @@ def test_keeps_the_default_unless_clearly_faster(tmp_path):
 
 def test_a_gpu_fault_stops_the_search(tmp_path):
     """After a kernel faults (misaligned / illegal address) the CUDA context is gone: the tuner
-    says which config did it instead of 'skipping' every later candidate, and caches nothing."""
+    says which config did it instead of 'skipping' every later candidate, picks no winner, and
+    records the config so that the next process's search (a fresh context) leaves it out."""
     gpu = FakeGPU()
 
     def run(cfg):
@@ -168,4 +169,13 @@ def test_a_gpu_fault_stops_the_search(tmp_path):
     t = _tuner(tmp_path, gpu)
     with pytest.raises(RuntimeError, match=r"BLOCK_M=128 occupancy=2 faulted.*MAMBA2_CUTILE_AUTOTUNE=0"):
         t.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], run)
-    assert gpu.launched == [64] and not os.path.exists(t.path)
+    assert gpu.launched == [64]
+    on_disk = json.load(open(t.path))
+    assert list(on_disk) == [t.key("compute_out", SHAPE) + "|faulted"]
+    assert on_disk[t.key("compute_out", SHAPE) + "|faulted"]["configs"] == [CONFIGS[1]]
+    # the next process: the faulting config is skipped, the rest are timed, a winner is kept
+    out = io.StringIO()
+    again = _tuner(tmp_path, gpu, out=out)
+    assert again.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], run) == CONFIGS[0]
+    assert 128 not in gpu.launched and "skipping 1 config(s) that faulted" in out.getvalue()
+    assert again.cached("compute_out", SHAPE) == CONFIGS[0]
