@@ -69,12 +69,17 @@ Operand order (SWAP)
     come from tensor memory while the second must be in shared memory, and the instruction
     shape (M = the first operand's rows) differs too. Which order is faster is measured.
 
+C B^T from memory (SCORES_IN_MEMORY)
+    Instead of forming each C B^T tile in registers, the block loads it from a buffer that
+    ``ops/chunk_scores.py`` fills beforehand, once per chunk and group (``prerequisites`` gives
+    that launch; ``compute_out`` makes it). The column loop then has one product instead of two.
+
 Tunables (``default_config`` / ``search_space``)
-    Tiles (BLOCK_M, BLOCK_K, BLOCK_P, DSTATE_TILE), HEADS_PER_BLOCK, SWAP, LOAD_LAT /
-    STORE_LAT (latency hints on the x, B, C, z and entry-state loads and on the output store;
-    0 = none), and the compiler hint occupancy (``kernel.replace_hints``; num_ctas > 1 is
-    refused: it faulted on sm_90). The
-    default config is the kernel described first, as measured above.
+    Tiles (BLOCK_M, BLOCK_K, BLOCK_P, DSTATE_TILE), HEADS_PER_BLOCK, SWAP, SCORES_IN_MEMORY,
+    LOAD_LAT / STORE_LAT (latency hints on the x, B, C, z and entry-state loads and on the output
+    store; 0 = none), and the compiler hints occupancy and num_worker_warps
+    (``kernel.replace_hints``; num_ctas > 1 is refused: it faulted on sm_90). The default config
+    is the kernel described first, as measured above.
 
 Precision
     16-bit inputs: C, B, the entry state and the weights are rounded to 16 bits for the
