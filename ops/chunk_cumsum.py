@@ -35,8 +35,9 @@ The layout of the outputs
 Tunables (``default_config`` / ``search_space``)
     BLOCK_H (heads per block), LOAD_LAT / STORE_LAT (latency hints on the dt load and the two
     stores; 0 = none), and the compiler hint occupancy (applied with ``kernel.replace_hints``;
-    num_ctas is accepted only as None or 1: clusters of CTAs gave wrong results on sm_90). The defaults are the values described above; the kernel is a
-    small share of the forward pass (a few percent), so its search space is small.
+    num_ctas is accepted only as None or 1: clusters of CTAs gave wrong results on sm_90). The
+    defaults are the values described above; the kernel is a small share of the forward pass (a
+    few percent), so its search space is small.
 """
 import math
 
@@ -132,7 +133,8 @@ def chunk_cumsum_kernel(
 # the rest): batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size, dtype (x's) and
 # optionally states_dtype (defaults to dtype, as in ops.forward). The helpers below are shared.
 
-HINT_KEYS = ("occupancy", "num_ctas", "num_worker_warps")   # compiler hints; None keeps the kernel's own
+# Compiler hints a config may set (None keeps the kernel's own).
+HINT_KEYS = ("occupancy", "num_ctas", "num_worker_warps")
 _HINTED = {}                             # (kernel, hints) -> kernel with those hints
 
 
