@@ -19,3 +19,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _cuda_context_ok():
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except Exception:
+        return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A kernel that faults (illegal or misaligned address) leaves this process's CUDA context
+    unusable, and every later GPU test in the process would fail for that reason alone. After a
+    failed ``gpu`` test whose failure broke the context, end the process: under pytest-xdist the
+    worker is replaced by a fresh one (the failing test is reported as the crash) and the rest of
+    the suite runs normally; without xdist the run stops, naming the test."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or "gpu" not in item.keywords:
+        return
+    if not torch.cuda.is_available() or _cuda_context_ok():
+        return
+    message = f"CUDA context lost after {item.nodeid}: stopping this test process"
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        os._exit(3)
+    item.session.shouldstop = message
