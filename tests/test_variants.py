@@ -50,7 +50,8 @@ OUT_EXTRA = ([dict(DSTATE_TILE=32, HEADS_PER_BLOCK=hb, SWAP=swap)          # dst
              + [dict(BLOCK_P=16, HEADS_PER_BLOCK=hb, SWAP=True) for hb in (1, 4)])  # p split
 # D per head (not per headdim column) and no z: a second set of inputs, for these configs.
 OUT_D1_NO_Z = [dict(), dict(SWAP=True), dict(HEADS_PER_BLOCK=2),
-               dict(HEADS_PER_BLOCK=4, SWAP=True)]
+               dict(HEADS_PER_BLOCK=4, SWAP=True), dict(SCORES_IN_MEMORY=True),
+               dict(SCORES_IN_MEMORY=True, HEADS_PER_BLOCK=2, SWAP=True)]
 
 
 def shape(dtype):
