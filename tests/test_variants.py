@@ -47,7 +47,8 @@ STATE_EXTRA = [dict(BLOCK_P=16, BLOCK_N=32, SWAP=swap, CHUNKS_PER_ITER=k)   # se
                for swap in (False, True) for k in (1, 2)]
 OUT_EXTRA = ([dict(DSTATE_TILE=32, HEADS_PER_BLOCK=hb, SWAP=swap)          # dstate in 2 slices
               for hb in (1, 2) for swap in (False, True)]
-             + [dict(BLOCK_P=16, HEADS_PER_BLOCK=hb, SWAP=True) for hb in (1, 4)])  # p split
+             + [dict(BLOCK_P=16, HEADS_PER_BLOCK=hb, SWAP=True) for hb in (1, 4)]   # p split
+             + [dict(DSTATE_TILE=32, SCORES_IN_MEMORY=True, SWAP=swap) for swap in (False, True)])
 # D per head (not per headdim column) and no z: a second set of inputs, for these configs.
 OUT_D1_NO_Z = [dict(), dict(SWAP=True), dict(HEADS_PER_BLOCK=2),
                dict(HEADS_PER_BLOCK=4, SWAP=True), dict(SCORES_IN_MEMORY=True),
