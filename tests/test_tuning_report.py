@@ -47,3 +47,13 @@ def test_single_knob_effects_ignore_combinations(tmp_path):
     assert tuning_report.best_single_knob(entries, "compute_out", "occupancy") == {(65536, 128): 0.8}
     assert tuning_report.best_single_knob(entries, "fwd_pass_state", "SWAP") == {}
     assert "| BLOCK_M=128, SWAP=True | 1.000 | 2.00x |" in tuning_report.markdown(entries[0])
+
+
+def test_min_bytes_counts_each_tensor_once():
+    kw = dict(seqlen=1024, nheads=2, headdim=4, ngroups=1, dstate=8, chunk_size=256, esize=2)
+    x, bc, f32, states = 1024 * 2 * 4 * 2, 1024 * 8 * 2, 1024 * 2 * 4, 4 * 2 * 4 * 8 * 2
+    assert tuning_report.min_bytes("chunk_cumsum", **kw) == 3 * f32
+    assert tuning_report.min_bytes("fwd_pass_state", **kw) == x + bc + 2 * f32 + states + 2 * 4 * 8 * 4
+    assert tuning_report.min_bytes("compute_out", **kw) == 2 * x + 2 * bc + 2 * f32 + states
+    with pytest.raises(ValueError):
+        tuning_report.min_bytes("bmm", **kw)

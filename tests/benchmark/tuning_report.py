@@ -91,6 +91,25 @@ def best_single_knob(entries, kernel, knob):
     return out
 
 
+def min_bytes(kernel, *, seqlen, nheads=80, headdim=64, ngroups=1, dstate, chunk_size=256, esize=2,
+              batch=1):
+    """The bytes one kernel of the forward pass must move at least (each input read once, each
+    output written once), with the entry states stored in the inputs' dtype as ops.forward does
+    and dt, dA in float32. Unlike the whole pass's minimum (bench_forward.work_counts), this
+    counts the entry states, which the three-kernel split writes and reads back."""
+    L, h, p, g, n = batch * seqlen, nheads, headdim, ngroups, dstate
+    nchunks = batch * -(-seqlen // chunk_size)
+    x, bc, per_head_f32 = L * h * p * esize, L * g * n * esize, L * h * 4
+    states = nchunks * h * p * n * esize
+    if kernel == "chunk_cumsum":
+        return 3 * per_head_f32                              # dt in; dt_out, dA_cumsum out
+    if kernel == "fwd_pass_state":
+        return x + bc + 2 * per_head_f32 + states + batch * h * p * n * 4   # + final state
+    if kernel == "compute_out":
+        return 2 * x + 2 * bc + 2 * per_head_f32 + states   # x in, out; B, C; dt, dA; states
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
 def markdown(entry, top=None):
     lines = [f"{entry['kernel']} at L={entry['shape']['seqlen']}, dstate={entry['shape']['dstate']} "
              f"({entry['device']}): default {entry['default_ms']:.3f} ms, tuned {entry['ms']:.3f} ms",
