@@ -69,6 +69,13 @@ Operand order (SWAP)
     come from tensor memory while the second must be in shared memory, and the instruction
     shape (M = the first operand's rows) differs too. Which order is faster is measured.
 
+Persistent blocks (PERSISTENT)
+    Instead of one block per tile, a grid of only as many blocks as the GPU holds at once, each
+    looping over every num_blocks-th tile (in the same heads-fastest order, so blocks working at
+    the same time still share their B and C tiles through L2). A block's next tile can start
+    while its previous store drains, and no tail of half-empty waves is left; whether that beats
+    the hardware's own block scheduling is measured.
+
 C B^T from memory (SCORES_IN_MEMORY)
     Instead of forming each C B^T tile in registers, the block loads it from a buffer that
     ``ops/chunk_scores.py`` fills beforehand, once per chunk and group (``prerequisites`` gives
@@ -76,7 +83,7 @@ C B^T from memory (SCORES_IN_MEMORY)
 
 Tunables (``default_config`` / ``search_space``)
     Tiles (BLOCK_M, BLOCK_K, BLOCK_P, DSTATE_TILE), HEADS_PER_BLOCK, SWAP, SCORES_IN_MEMORY,
-    LOAD_LAT / STORE_LAT (latency hints on the x, B, C, z and entry-state loads and on the output
+    PERSISTENT, LOAD_LAT / STORE_LAT (latency hints on the x, B, C, z and entry-state loads and on the output
     store; 0 = none), and the compiler hints occupancy and num_worker_warps
     (``kernel.replace_hints``; num_ctas > 1 is refused: it faulted on sm_90). The default config
     is the kernel described first, as measured above.
@@ -187,13 +194,33 @@ def compute_out_kernel(
     SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
     LOAD_LAT: ConstInt,                 # latency hint of the x, B, C, z, state loads; 0 = none
     STORE_LAT: ConstInt,                # latency hint of the output store; 0 = none
+    PERSISTENT: ConstBool,              # a fixed grid of blocks, each looping over tiles
 ):
+    """One (row tile, p tile, head) per block, or with PERSISTENT as many blocks as fit
+    on the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
+    if PERSISTENT:
+        total = x.shape[2] * ct.cdiv(x.shape[3], BLOCK_P) * ct.cdiv(x.shape[1], BLOCK_M)
+        for tile_id in range(ct.bid(0), total, ct.num_blocks(0)):
+            one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
+                          scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
+                          DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP,
+                          SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT)
+    else:
+        one_head_tile(ct.bid(0), x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
+                      scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
+                      DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY,
+                      LOAD_LAT, STORE_LAT)
+
+
+def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
+                  heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
+                  D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT):
+    """The work of one tile of compute_out_kernel (its body, for one ``tile_id``)."""
     # Arrays that grow with the sequence are IndexedWithInt64 so that element offsets past
     # 2**31 (x of a 512K-token sequence already has more elements than that) are computed in
     # 64 bits; the cost is a few integer instructions per tile.
     nheads = x.shape[2]
     n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
-    tile_id = ct.bid(0)
     b = ct.bid(1)
     h = tile_id % nheads                 # heads vary fastest (see "The grid")
     pi = (tile_id // nheads) % n_ptiles
@@ -347,7 +374,8 @@ def per_head_mma(a, b, acc, HB, SHARED_A, TRANSPOSE_A):
     One batched (3-d) ``ct.mma`` computes the same, but for sm_90 the compiler lowers batched
     products to warp-level mma.sync, while two-dimensional ones become warpgroup wgmma. The
     loop has a constant trip count and is unrolled (for sm_90 this compiles to HGMMA, where the
-    batched form gave HMMA). ``SHARED_A``: ``a`` is one 2-d tile used for every head; ``TRANSPOSE_A``: use a[i]^T."""
+    batched form gave HMMA). ``SHARED_A``: ``a`` is one 2-d tile used for every head;
+    ``TRANSPOSE_A``: use a[i]^T."""
     _, m, n = acc.shape
     for i in range(HB):
         a_i = a if SHARED_A else head(a, i)
@@ -401,14 +429,36 @@ def compute_out_heads_kernel(
     LOAD_LAT: ConstInt,
     STORE_LAT: ConstInt,
     HEADS_PER_BLOCK: ConstInt,          # HB heads of one group per block (divides heads_per_group)
+    PERSISTENT: ConstBool,              # a fixed grid of blocks, each looping over tiles
 ):
+    """One (row tile, p tile, heads) per block, or with PERSISTENT as many blocks as fit
+    on the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
+    if PERSISTENT:
+        n_hblocks = x.shape[2] // HEADS_PER_BLOCK
+        total = n_hblocks * ct.cdiv(x.shape[3], BLOCK_P) * ct.cdiv(x.shape[1], BLOCK_M)
+        for tile_id in range(ct.bid(0), total, ct.num_blocks(0)):
+            heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
+                       scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
+                       DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY,
+                       LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK)
+    else:
+        heads_tile(ct.bid(0), x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
+                   heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
+                   D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT,
+                   HEADS_PER_BLOCK)
+
+
+def heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
+               heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
+               D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT,
+               HEADS_PER_BLOCK):
+    """The work of one tile of compute_out_heads_kernel (its body, for one ``tile_id``)."""
     # The one-head kernel above, with every per-head quantity given a leading axis of
     # HEADS_PER_BLOCK heads; what does not depend on the head (C, B, C B^T, the masks) is
     # computed once. See "Sharing C B^T between heads".
     HB = HEADS_PER_BLOCK
     n_hblocks = x.shape[2] // HB
     n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
-    tile_id = ct.bid(0)
     b = ct.bid(1)
     hb = tile_id % n_hblocks             # head blocks vary fastest (L2 reuse of B and C)
     pi = (tile_id // n_hblocks) % n_ptiles
@@ -548,8 +598,8 @@ def default_config(*, chunk_size, headdim, dstate, **_):
     latency hints, the kernel's own occupancy hint (3 on sm_90)."""
     bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
     return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1, INDEX64=False,
-                SWAP=False, SCORES_IN_MEMORY=False, LOAD_LAT=0, STORE_LAT=0, occupancy=None,
-                num_ctas=None, num_worker_warps=None)
+                SWAP=False, SCORES_IN_MEMORY=False, PERSISTENT=False, LOAD_LAT=0, STORE_LAT=0,
+                occupancy=None, num_ctas=None, num_worker_warps=None)
 
 
 def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
@@ -654,13 +704,18 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
         # kernel on an H200 (seen at 256K tokens x dstate 512, reproduced small by
         # tests/test_variants.py); compute_out_plan refuses them.
         kept = [c for c in kept if not (c["BLOCK_M"] == 32 and c["HEADS_PER_BLOCK"] > 1)]
-    # C B^T from memory (ops/chunk_scores.py) instead of in registers: one head per block at
-    # the default occupancy and at two, both operand orders, and two heads per block.
-    scored = [{**base, "SCORES_IN_MEMORY": True}, {**base, "SCORES_IN_MEMORY": True, "SWAP": True},
-              {**base, "SCORES_IN_MEMORY": True, "occupancy": 2}]
+    # C B^T from memory (ops/chunk_scores.py) instead of in registers: one head per block in
+    # both operand orders, and two heads per block.
+    scored = [{**base, "SCORES_IN_MEMORY": True}, {**base, "SCORES_IN_MEMORY": True, "SWAP": True}]
     if 2 in heads:
         scored.append({**base, "SCORES_IN_MEMORY": True, "HEADS_PER_BLOCK": 2, "occupancy": 2})
     kept += [c for c in scored if fits(c, **kw)]
+    # Persistent blocks (a grid of resident blocks looping over the tiles) for the default and
+    # for two heads per block.
+    steady = [{**base, "PERSISTENT": True}]
+    if 2 in heads:
+        steady.append({**base, "PERSISTENT": True, "HEADS_PER_BLOCK": 2, "occupancy": 2})
+    kept += [c for c in steady if fits(c, **kw)]
     # Eight worker warps instead of the compiler's four: each block's tiles are split over more
     # threads, so each needs fewer registers. On sm_90 two heads per block then need 80 registers
     # per thread instead of 128 (the cap), and four heads spill less (python -m ops.sass).
@@ -728,7 +783,14 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
     else:
         kernel = compute_out_heads_kernel
         args = args + (hb,)
-    grid = ((nheads // hb) * (-(-headdim // bp)) * (-(-seqlen // bm)), batch)
+    args = args + (bool(cfg["PERSISTENT"]),)
+    tiles = (nheads // hb) * (-(-headdim // bp)) * (-(-seqlen // bm))
+    if cfg["PERSISTENT"]:
+        # As many blocks as are resident at once (the occupancy the config asks for, or the
+        # kernel's own: 3 for one head on sm_90, else what two heads fit at): no tail wave.
+        resident = cfg["occupancy"] or (3 if hb == 1 else 2)
+        tiles = min(tiles, multiprocessors(x.device) * resident)
+    grid = (tiles, batch)
     sized = fit_index_width(kernel, args, cfg["INDEX64"])
     if sized is kernel and bm == 32 and hb > 1:
         # Measured on an H200 (cuda-tile 1.7.0): this tile shape faults with a misaligned
@@ -737,6 +799,14 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
                          f"indexing (INDEX64, or a tensor of 2**31 elements or more): it faults "
                          f"on sm_90; use BLOCK_M=64")
     return grid, with_hints(sized, cfg), args, out
+
+
+def multiprocessors(device):
+    """The GPU's multiprocessor count (132 on an H200); the same for CPU and meta tensors, so
+    the interpreter and the ahead-of-time compiler see the grid an H200 would."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,

@@ -195,6 +195,10 @@ KINDS = [
      and c["HEADS_PER_BLOCK"] == 1 and c["occupancy"] is None, BOTH),
     ("compute_out", 256, "scores-in-memory-2-heads", lambda c, d: c["SCORES_IN_MEMORY"]
      and c["HEADS_PER_BLOCK"] == 2, HOPPER),
+    ("compute_out", 128, "persistent", lambda c, d: c["PERSISTENT"] and c["HEADS_PER_BLOCK"] == 1,
+     BOTH),
+    ("compute_out", 128, "persistent-2-heads", lambda c, d: c["PERSISTENT"] and c["HEADS_PER_BLOCK"] == 2,
+     HOPPER),
     ("compute_out", 128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8 and c["HEADS_PER_BLOCK"] == 2,
      BOTH),
     ("fwd_pass_state", 128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8, HOPPER),

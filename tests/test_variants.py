@@ -265,6 +265,21 @@ def test_search_spaces(module, dstate, seqlen):
         assert all(isinstance(n, int) and n > 0 for n in grid), config
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hb", [1, 2])
+def test_persistent_blocks_loop_over_tiles(device, hb, monkeypatch):
+    """PERSISTENT with a grid far smaller than the tiles (one multiprocessor's worth of blocks),
+    so that every block loops over many tiles: the same outputs as the default config."""
+    monkeypatch.setattr(out_mod, "multiprocessors", lambda device: 1)
+    default = out_mod.default_config(**shape(torch.bfloat16))
+    config = {**default, "PERSISTENT": True, "HEADS_PER_BLOCK": hb, "occupancy": 2}
+    kw, dt_out, dA, entry = problem("bf16", device)
+    grid = out_mod.compute_out_plan(kw["x"], kw["B"], kw["C"], dt_out, dA, entry, D=kw["D"],
+                                    z=kw.get("z"), seq_idx=kw["seq_idx"], config=config)[0]
+    assert grid == (2, 1)                                  # 2 blocks for 24 / hb tiles
+    check(run_out, "bf16", config, device)
+
+
 def test_scores_in_memory_plans_their_first_step():
     """With SCORES_IN_MEMORY the plan carries a (batch, nchunks, ngroups, CHUNK, CHUNK) float32
     scores buffer and ``prerequisites`` returns the chunk_scores launch filling it, in the same
