@@ -198,6 +198,9 @@ def compute_out_kernel(
 ):
     """One (row tile, p tile, head) per block, or with PERSISTENT as many blocks as fit
     on the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
+    # Arrays that grow with the sequence are IndexedWithInt64 so that element offsets past
+    # 2**31 (x of a 512K-token sequence already has more elements than that) are computed in
+    # 64 bits; below that, ops.launch runs a 32-bit-indexed twin of this kernel.
     if PERSISTENT:
         total = x.shape[2] * ct.cdiv(x.shape[3], BLOCK_P) * ct.cdiv(x.shape[1], BLOCK_M)
         for tile_id in range(ct.bid(0), total, ct.num_blocks(0)):
@@ -216,9 +219,6 @@ def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_i
                   heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
                   D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT):
     """The work of one tile of compute_out_kernel (its body, for one ``tile_id``)."""
-    # Arrays that grow with the sequence are IndexedWithInt64 so that element offsets past
-    # 2**31 (x of a 512K-token sequence already has more elements than that) are computed in
-    # 64 bits; the cost is a few integer instructions per tile.
     nheads = x.shape[2]
     n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
     b = ct.bid(1)
