@@ -141,16 +141,42 @@ def rows_by_cols(rows_op, cols_op, acc, SWAP):
     return ct.mma(rows_op, ct.transpose(cols_op), acc)
 
 
-def scores_tile(scores, b, c, g, m, j, BLOCK_M, BLOCK_K, SWAP, LOAD_LAT):
-    """Row tile m x column tile j of chunk c's precomputed C B^T (group g), float32, in the
-    products' orientation ((BLOCK_K, BLOCK_M) with SWAP, read through a transposing order=)."""
-    if SWAP:
-        t = ct.load(scores, (b, c, g, j, m), shape=(1, 1, 1, BLOCK_K, BLOCK_M),
-                    order=(0, 1, 2, 4, 3), latency=latency_hint(LOAD_LAT))
-        return ct.reshape(t, (BLOCK_K, BLOCK_M))
-    t = ct.load(scores, (b, c, g, m, j), shape=(1, 1, 1, BLOCK_M, BLOCK_K),
-                latency=latency_hint(LOAD_LAT))
-    return ct.reshape(t, (BLOCK_M, BLOCK_K))
+def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BLOCK_K, DSTATE,
+            DSTATE_TILE, SWAP, SCORES_IN_MEMORY, LOAD_LAT):
+    """C_rows @ B_cols^T for row tile m and column tile j of chunk c (group g), float32,
+    (BLOCK_M, BLOCK_K) or transposed with SWAP. With SCORES_IN_MEMORY it is loaded from the
+    buffer chunk_scores filled (through a transposing order= with SWAP); otherwise it is formed
+    on the tensor cores, from the resident C rows when dstate is one slice (``c_rows``; None
+    otherwise), else slice by slice."""
+    lat = latency_hint(LOAD_LAT)
+    if SCORES_IN_MEMORY:
+        if SWAP:
+            t = ct.load(scores, (b, c, g, j, m), shape=(1, 1, 1, BLOCK_K, BLOCK_M),
+                        order=(0, 1, 2, 4, 3), latency=lat)
+            cb = ct.reshape(t, (BLOCK_K, BLOCK_M))
+        else:
+            t = ct.load(scores, (b, c, g, m, j), shape=(1, 1, 1, BLOCK_M, BLOCK_K), latency=lat)
+            cb = ct.reshape(t, (BLOCK_M, BLOCK_K))
+    else:
+        if SWAP:
+            cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
+        else:
+            cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
+        if DSTATE == DSTATE_TILE:
+            b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
+                                        padding_mode=ZERO, latency=lat),
+                                (BLOCK_K, DSTATE)).astype(C.dtype)
+            cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
+        else:
+            for k in range(DSTATE // DSTATE_TILE):
+                c_k = ct.reshape(ct.load(C, (b, row_tile, g, k),
+                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO,
+                                         latency=lat), (BLOCK_M, DSTATE_TILE))
+                b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
+                                         shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
+                                         latency=lat), (BLOCK_K, DSTATE_TILE)).astype(C.dtype)
+                cb = rows_by_cols(c_k, b_k, cb, SWAP)
+    return cb
 
 
 def load_rows(array, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT):
@@ -251,6 +277,7 @@ def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_i
         state = ct.reshape(state, (BLOCK_P, DSTATE)).astype(cdtype)
         acc = rows_by_cols(c_rows, state, acc, SWAP)
     else:
+        c_rows = None                    # C is read slice by slice, also in the products below
         for k in range(NK):
             c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
                                      padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
@@ -276,26 +303,8 @@ def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_i
     for j in range(n_cols):
         col_tile = c * (CHUNK // BLOCK_K) + j       # BLOCK_K-token tile of the whole sequence
         # cb = C_rows @ B_cols^T, (BLOCK_M, BLOCK_K) (transposed with SWAP).
-        if SWAP:
-            cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
-        else:
-            cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
-        if SCORES_IN_MEMORY:
-            cb = scores_tile(scores, b, c, g, m, j, BLOCK_M, BLOCK_K, SWAP, LOAD_LAT)
-        elif NK == 1:
-            b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                                        padding_mode=ZERO, latency=lat),
-                                (BLOCK_K, DSTATE)).astype(cdtype)
-            cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
-        else:
-            for k in range(NK):
-                c_k = ct.reshape(ct.load(C, (b, row_tile, g, k),
-                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO,
-                                         latency=lat), (BLOCK_M, DSTATE_TILE))
-                b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
-                                         shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
-                                         latency=lat), (BLOCK_K, DSTATE_TILE)).astype(cdtype)
-                cb = rows_by_cols(c_k, b_k, cb, SWAP)
+        cb = cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BLOCK_K,
+                     DSTATE, DSTATE_TILE, SWAP, SCORES_IN_MEMORY, LOAD_LAT)
 
         dA_cols = ct.reshape(ct.load(dA_cumsum, (b, h, c, j), shape=(1, 1, 1, BLOCK_K)),
                              (BLOCK_K,))
@@ -490,6 +499,7 @@ def heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx,
         state = ct.reshape(state, (HB, BLOCK_P, DSTATE)).astype(cdtype)
         acc = heads_state_product(c_rows, state, acc, HB, SWAP)
     else:
+        c_rows = None                    # C is read slice by slice, also in the products below
         for k in range(NK):
             c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
                                      padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
@@ -512,26 +522,8 @@ def heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx,
     for j in range(n_cols):
         col_tile = c * (CHUNK // BLOCK_K) + j
         # C B^T: once for all HB heads.
-        if SWAP:
-            cb = ct.zeros((BLOCK_K, BLOCK_M), dtype=ct.float32)
-        else:
-            cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
-        if SCORES_IN_MEMORY:
-            cb = scores_tile(scores, b, c, g, m, j, BLOCK_M, BLOCK_K, SWAP, LOAD_LAT)
-        elif NK == 1:
-            b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                                        padding_mode=ZERO, latency=lat),
-                                (BLOCK_K, DSTATE)).astype(cdtype)
-            cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
-        else:
-            for k in range(NK):
-                c_k = ct.reshape(ct.load(C, (b, row_tile, g, k),
-                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO,
-                                         latency=lat), (BLOCK_M, DSTATE_TILE))
-                b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
-                                         shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
-                                         latency=lat), (BLOCK_K, DSTATE_TILE)).astype(cdtype)
-                cb = rows_by_cols(c_k, b_k, cb, SWAP)
+        cb = cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BLOCK_K,
+                     DSTATE, DSTATE_TILE, SWAP, SCORES_IN_MEMORY, LOAD_LAT)
 
         dA_cols = ct.reshape(ct.load(dA_cumsum, (b, hb, c, j), shape=(1, HB, 1, BLOCK_K)),
                              (HB, BLOCK_K))
