@@ -27,17 +27,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench_forward
 
 KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 
 
 def _inputs(seqlen, dstate, nheads, headdim, ngroups):
+    """The benchmark's own inputs (bench_forward.make_inputs): the same shapes and dtypes."""
     import torch
-    g = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g, device="cuda")
-    return dict(x=r(1, seqlen, nheads, headdim).bfloat16(), dt=r(1, seqlen, nheads) * 0.5 - 1.0,
-                A=-torch.exp(r(nheads) * 0.5), B=r(1, seqlen, ngroups, dstate).bfloat16(),
-                C=r(1, seqlen, ngroups, dstate).bfloat16(), D=r(nheads), dt_bias=r(nheads) * 0.5)
+    import bench_forward
+    return bench_forward.make_inputs(torch, "cuda", 1, seqlen, nheads, headdim, ngroups, dstate,
+                                     "bfloat16")
 
 
 def _tasks(args):
@@ -101,12 +101,9 @@ def _tilegym_forward(inp, chunk, part=0, nparts=1):
     search then compiles only those, and ``nparts`` processes compile one shape's configs together."""
     import contextlib
     import io
-    import torch
+    import bench_forward
     import tilegym.ops.cutile.mamba2 as tg
-    from reference.common import process_dt
-    dt = process_dt(inp["dt"], inp["dt_bias"], dt_softplus=True).float().contiguous()
-    b, _, h, p = inp["x"].shape
-    h0 = torch.zeros(b, h, p, inp["B"].shape[-1], device="cuda", dtype=torch.float32)
+    forward = bench_forward.build("tilegym", inp, chunk)
 
     def sliced(listing):
         def configs(*a, **k):
@@ -120,7 +117,7 @@ def _tilegym_forward(inp, chunk, part=0, nparts=1):
         for name, listing in originals.items():
             setattr(tg, name, sliced(listing))
         with contextlib.redirect_stdout(io.StringIO()):     # its tuner prints every config's time
-            tg.mamba2_chunk_forward(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt, h0, chunk_size=chunk)
+            forward()
     finally:
         for name, listing in originals.items():
             setattr(tg, name, listing)
