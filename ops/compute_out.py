@@ -690,12 +690,6 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
         if dstate > 128:
             configs.append({**anchor, "DSTATE_TILE": dstate})
     kept = [c for c in configs if fits(c, **kw)]
-    if needs_int64(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
-                   ngroups=ngroups, **shape):
-        # 32-row tiles of several heads fault (misaligned address) in the 64-bit-indexed
-        # kernel on an H200 (seen at 256K tokens x dstate 512, reproduced small by
-        # tests/test_variants.py); compute_out_plan refuses them.
-        kept = [c for c in kept if not (c["BLOCK_M"] == 32 and c["HEADS_PER_BLOCK"] > 1)]
     # C B^T from memory (ops/chunk_scores.py) instead of in registers: one head per block in
     # both operand orders, and two heads per block.
     scored = [{**base, "SCORES_IN_MEMORY": True}, {**base, "SCORES_IN_MEMORY": True, "SWAP": True}]
@@ -719,7 +713,25 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
     if 4 in heads:
         wide += [{**base, "HEADS_PER_BLOCK": 4, "occupancy": 1}]
     kept += [{**c, "num_worker_warps": 8} for c in wide if fits(c, **kw)]
+    if needs_int64(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
+                   ngroups=ngroups, **shape):
+        kept = [c for c in kept if not int64_fault(c)]       # compute_out_plan refuses them
     return unique(kept + [{**kept[0], "INDEX64": True}])
+
+
+def int64_fault(cfg):
+    """Why ``cfg`` cannot run in the 64-bit-indexed kernel, or None. Several heads per block
+    with 32-row tiles, or with eight worker warps, fault there (misaligned address, then a lost
+    CUDA context) on an H200 with cuda-tile 1.7.0: seen at 256K tokens x dstate 512 and
+    reproduced at small size by tests/test_variants.py. The same configs run correctly with
+    32-bit indices."""
+    if cfg.get("HEADS_PER_BLOCK", 1) == 1:
+        return None
+    if cfg.get("BLOCK_M") == 32:
+        return "BLOCK_M=32"
+    if cfg.get("num_worker_warps") == 8:
+        return "num_worker_warps=8"
+    return None
 
 
 def needs_int64(*, batch=1, seqlen, chunk_size, headdim, dstate, nheads, ngroups=1, **_):
@@ -784,12 +796,12 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
         tiles = min(tiles, multiprocessors(x.device) * resident)
     grid = (tiles, batch)
     sized = fit_index_width(kernel, args, cfg["INDEX64"])
-    if sized is kernel and bm == 32 and hb > 1:
-        # Measured on an H200 (cuda-tile 1.7.0): this tile shape faults with a misaligned
-        # address in the 64-bit-indexed kernel (tests/test_variants.py), at any size.
-        raise ValueError(f"BLOCK_M=32 with HEADS_PER_BLOCK={hb} is not supported with 64-bit "
+    fault = int64_fault(cfg) if sized is kernel else None
+    if fault:
+        raise ValueError(f"{fault} with HEADS_PER_BLOCK={hb} is not supported with 64-bit "
                          f"indexing (INDEX64, or a tensor of 2**31 elements or more): it faults "
-                         f"on sm_90; use BLOCK_M=64")
+                         f"on sm_90 (see int64_fault); use one head per block, or BLOCK_M=64 "
+                         f"and the default worker warps")
     return grid, with_hints(sized, cfg), args, out
 
 

@@ -157,9 +157,11 @@ def int64_cases(module, extra=()):
 
 
 def refused_int64(cfg):
-    """compute_out's 32-row tiles of several heads: they faulted in the 64-bit kernel on an
-    H200, so compute_out_plan refuses them there (tested below)."""
-    return cfg.get("BLOCK_M") == 32 and cfg.get("HEADS_PER_BLOCK", 1) > 1
+    """compute_out with several heads per block and 32-row tiles or eight worker warps: these
+    faulted in the 64-bit kernel on an H200, so compute_out_plan refuses them there (tested
+    below)."""
+    return cfg.get("HEADS_PER_BLOCK", 1) > 1 and (
+        cfg.get("BLOCK_M") == 32 or cfg.get("num_worker_warps") == 8)
 
 
 @pytest.mark.gpu
@@ -179,11 +181,16 @@ def test_compute_out_refuses_tiles_that_fault_with_int64():
     INDEX64 asked for explicitly; the same tiles with 32-bit indices still run."""
     default = out_mod.default_config(**shape(torch.bfloat16))
     for hb in (2, 4):
-        bad = {**default, "BLOCK_M": 32, "HEADS_PER_BLOCK": hb, "INDEX64": True}
-        assert refused_int64(bad)
-        with pytest.raises(ValueError, match="BLOCK_M=32 with HEADS_PER_BLOCK"):
-            run_out("bf16", "cpu", bad)
+        for change, message in (({"BLOCK_M": 32}, "BLOCK_M=32 with HEADS_PER_BLOCK"),
+                                ({"num_worker_warps": 8}, "num_worker_warps=8 with HEADS_PER_BLOCK")):
+            bad = {**default, **change, "HEADS_PER_BLOCK": hb, "INDEX64": True}
+            assert refused_int64(bad)
+            with pytest.raises(ValueError, match=message):
+                run_out("bf16", "cpu", bad)
     check(run_out, "bf16", {**default, "BLOCK_M": 32, "HEADS_PER_BLOCK": 2}, "cpu")
+    check(run_out, "bf16", {**default, "num_worker_warps": 8, "HEADS_PER_BLOCK": 2,
+                            "occupancy": 2}, "cpu")
+    check(run_out, "bf16", {**default, "num_worker_warps": 8, "INDEX64": True}, "cpu")
     big = dict(batch=1, seqlen=262144, nheads=80, headdim=64, ngroups=1, dstate=512,
                chunk_size=256, dtype=torch.bfloat16)
     assert out_mod.needs_int64(**big) and not out_mod.needs_int64(**dict(big, dstate=256))

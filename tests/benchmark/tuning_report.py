@@ -25,6 +25,8 @@ KNOB_NAMES = {
     "occupancy": "occupancy",
     "BLOCK_M": "BLOCK_M", "BLOCK_K": "BLOCK_K", "BLOCK_P": "BLOCK_P", "BLOCK_N": "BLOCK_N",
     "BLOCK_H": "BLOCK_H", "DSTATE_TILE": "DSTATE_TILE",
+    "SCORES_IN_MEMORY": "C*B^T from memory", "PERSISTENT": "persistent blocks",
+    "num_worker_warps": "worker warps",
 }
 
 
