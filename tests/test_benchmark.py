@@ -463,3 +463,29 @@ def test_ncu_summary_reads_the_raw_page(tmp_path):
     assert "4500.0 us; SM 35% memory 48% of peak; occupancy 22%" in lines[0]
     assert lines[1].strip() == "stalls per issued instruction: long_scoreboard 6.0 (60%), wait 3.0 (30%)"
     assert "theoretical -%" in lines[0]           # a metric the CSV lacks
+
+
+def test_merge_results_later_runs_win_point_by_point(tmp_path):
+    import merge_results
+    header = ["impl", "seqlen", "dstate", "chunk", "ms", "started_at"]
+
+    def write(name, rows):
+        path = tmp_path / name
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(header)
+            w.writerows(rows)
+        return str(path)
+
+    first = write("first.csv", [["triton", 1024, 64, 256, 0.5, "t1"], ["cutile", 1024, 64, 256, 0.2, "t1"],
+                                ["triton", 4096, 64, 256, 0.6, "t1"]])
+    second = write("second.csv", [["cutile", 4096, 64, 256, 0.3, "t2"], ["triton", 4096, 64, 256, 0.7, "t2"]])
+    out = tmp_path / "merged.csv"
+    merge_results.main([str(out), first, second])
+    rows = [(r["impl"], r["seqlen"], r["ms"], r["started_at"]) for r in csv.DictReader(open(out))]
+    assert rows == [("triton", "1024", "0.5", "t1"), ("triton", "4096", "0.7", "t2"),
+                    ("cutile", "1024", "0.2", "t1"), ("cutile", "4096", "0.3", "t2")]
+    other = tmp_path / "other.csv"
+    other.write_text("impl,seqlen,dstate,chunk,ms\ntriton,1024,64,256,0.5\n")
+    with pytest.raises(ValueError, match="columns differ"):
+        merge_results.merge([first, str(other)])

@@ -9,8 +9,9 @@
 #
 # Parts (80 heads x headdim 64, 1 group, bf16, batch 1; L 1K..256K; dstate 64..512):
 #   warm    warm_compile.py: every search-space config of this project's kernels (at WARM_CHUNKS,
-#           default 256) and, when tilegym is among IMPLS, TileGym's configs, compiled by WARM_PROCS
-#           processes into cuTile's disk cache, so the timed parts tune without compiling
+#           default 256, and WARM_SEQLENS, default 1024,16384) and, when tilegym is among IMPLS,
+#           TileGym's configs, compiled by WARM_PROCS processes into cuTile's disk cache, so the
+#           timed parts tune without compiling
 #                                                             -> $OUT/warm.log
 #   profile profile_ncu.sh at PROFILE_SHAPES (default 64K:256 256K:128), cutile and triton
 #                                                             -> $OUT/ncu_*.csv
@@ -24,20 +25,21 @@
 # once, and running the script again on the same machine continues where it stopped (a part that
 # ran out of time says "incomplete"). Outputs for the rel_err comparison are kept there too.
 #
-# Estimated times on one H200 (from the autotuning each implementation does; worker start-up,
-# i.e. importing torch and the kernels and initialising CUDA, is ~10 s per worker; a timed point
-# is ~1 s once tuned):
-#   grid (60 points)
-#     triton   1.5-3.5 min: Triton autotunes once per (chunk, dstate) key, 10-40 s each, 4 keys;
+# Estimated times on one H200 (measured at commit 07f7ca2; worker start-up, i.e. importing torch
+# and the kernels and initialising CUDA, is ~10 s per worker; a timed point is ~1 s once tuned):
+#   warm     30 processes compile the 295 chunk-256 variants of 4K-256K (WARM_SEQLENS=16384) in
+#            ~75 s; 1K specializes differently (add 1024). Without it, tuning one cutile point
+#            compiles up to ~80 configs one at a time: 80-190 s per point instead of 1-17 s.
+#   grid (60 points without TileGym)
+#     triton   ~1 min: Triton autotunes once per (chunk, dstate) key, 10-30 s each, 4 keys;
 #              with TRITON_CACHE_AUTOTUNING=1 (set below) a restarted worker reuses the results
-#     cutile   1-5 min: autotunes once per power-of-two L bucket and dstate (20 here), cached on
-#              disk in $MAMBA2_CUTILE_AUTOTUNE_CACHE, so a second run tunes nothing
-#     tilegym  4-12 min: cuda.tile.tune.exhaustive_search over ~115 configs per shape (20 shapes),
-#              in memory only; the first shape of each dstate also compiles every config
-#     total    ~7-20 min: expect the grid to need one or two reruns of `run_h200.sh grid`
-#   chunks (120 new points)
-#     triton   2.5-6 min (8 new keys), cutile 2-10 min (40 new buckets), tilegym 8-24 min (40 shapes)
-#     total    ~13-40 min: several reruns; SWEEP_SEQLENS=16K,256K (say) cuts it to about 2/5
+#     cutile   ~2.5 min after warm: autotunes once per power-of-two L bucket and dstate (20 here),
+#              cached on disk in $MAMBA2_CUTILE_AUTOTUNE_CACHE, so a second run tunes nothing
+#     tilegym  not yet measured: cuda.tile.tune.exhaustive_search over ~115 configs per shape
+#              (20 shapes), in memory only; warm its configs first (IMPLS including tilegym)
+#   chunks (120 new points): several times the grid; SWEEP_SEQLENS=16K,256K (say) cuts it to 2/5
+#   Several GPUs: run parts or L subsets on each (CUDA_VISIBLE_DEVICES, a BENCH_WORK each) and
+#   merge the CSVs (merge_results.py); every point's implementations still run side by side on one GPU.
 # Without autotuning (MAMBA2_CUTILE_AUTOTUNE=0, TILEGYM_DISABLE_AUTOTUNE=1) each part is ~2-4 min,
 # but then the implementations are not at their best; the CSVs record these variables.
 #
@@ -98,7 +100,8 @@ for p in $PARTS; do
             tg=""; case ",$IMPLS," in *,tilegym,*) tg="--tilegym" ;; esac
             echo "=== warm: up to ${WARM_LIMIT:-240} s"
             timeout -k 10 "${WARM_LIMIT:-240}" python tests/benchmark/warm_compile.py \
-                --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "${WARM_CHUNKS:-256}" $tg 2>&1 \
+                --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "${WARM_CHUNKS:-256}" \
+                --seqlens "${WARM_SEQLENS:-1024,16384}" $tg 2>&1 \
                 | tee -a "$OUT/warm.log" | tail -8
             ;;
         profile)
