@@ -489,3 +489,31 @@ def test_merge_results_later_runs_win_point_by_point(tmp_path):
     other.write_text("impl,seqlen,dstate,chunk,ms\ntriton,1024,64,256,0.5\n")
     with pytest.raises(ValueError, match="columns differ"):
         merge_results.merge([first, str(other)])
+
+
+def test_run_h200_script_shares_lengths_over_gpus(tmp_path):
+    """GPUS=0,1: one run per GPU at the same time (here two CPU processes), merged into one CSV."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = dict(os.environ, OUT=str(out), BENCH_WORK=str(work), IMPLS="interpret", SEQLENS="64,128",
+               DSTATES="16", GPUS="0,1", MPLBACKEND="Agg",
+               EXTRA_ARGS="--device cpu --nheads 2 --headdim 16 --warmup-ms 1 --rep-ms 2 --quiet-workers")
+    proc = subprocess.run(["bash", os.path.join(HERE, "benchmark", "run_h200.sh"), "grid"], capture_output=True,
+                          text=True, env=env, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GPU 0: L = 128" in proc.stdout and "GPU 1: L = 64" in proc.stdout, proc.stdout
+    assert "=== grid_chunk256: complete" in proc.stdout
+    assert sorted(r["seqlen"] for r in read_csv(work / "gpu0" / "grid_chunk256.csv")) == ["128"]
+    assert sorted(r["seqlen"] for r in read_csv(work / "gpu1" / "grid_chunk256.csv")) == ["64"]
+    merged = read_csv(out / "grid_chunk256.csv")
+    assert sorted((r["seqlen"], r["status"]) for r in merged) == [("128", "ok"), ("64", "ok")]
+    for gpu in (0, 1):
+        assert (out / f"grid_chunk256.gpu{gpu}.log").stat().st_size > 0
+
+
+def test_merge_results_shares_lengths_longest_first():
+    import merge_results
+    assert merge_results.share("1K,4K,16K,64K,256K", "0,1") == [("0", ["256K"]), ("1", ["1K", "4K", "16K", "64K"])]
+    assert merge_results.share("16K,64K,256K", "0,1,2,3") == [("0", ["256K"]), ("1", ["64K"]), ("2", ["16K"])]
+    assert merge_results.share("64,128", "0") == [("0", ["64", "128"])]
+    with pytest.raises(ValueError):
+        merge_results.share("", "0")

@@ -1,12 +1,18 @@
 """Merge benchmark CSVs from several runs into one, a row per (impl, seqlen, dstate, chunk).
 
     python tests/benchmark/merge_results.py OUT.csv RUN1.csv RUN2.csv ...
+    python tests/benchmark/merge_results.py --share 1K,4K,16K,64K,256K 0,1    # split L over GPUs
 
 For grids split over runs (one GPU each, or a run resumed later): where two inputs hold the same
 point for the same implementation, the later input wins, so list the runs oldest first. Each row
 keeps its own provenance columns (git_commit, started_at, env), so notebook 07 can still say which
 run measured what. Rows are written in the order bench_forward.py uses: implementation (as first
 seen), then L, dstate and chunk. Inputs must share one header; a mismatch is an error, not a guess.
+
+``--share LENGTHS GPUS`` prints how ``run_h200.sh`` (with ``GPUS=...``) shares the sequence lengths
+of a grid out over several GPUs, one line per GPU that gets any: "GPU LENGTHS". A point's cost grows
+with L, so the longest lengths go first, each to the GPU with the least work so far; every point's
+implementations still run one after another on one GPU, side by side.
 """
 import argparse
 import csv
@@ -40,7 +46,37 @@ def merge(paths):
     return header, rows
 
 
+def length_of(text):
+    """"16K" -> 16384, "1M" -> 1048576, "512" -> 512 (as bench_forward.py reads --seqlens)."""
+    text = text.strip().upper()
+    scale = {"K": 1024, "M": 1024**2}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def share(lengths, gpus):
+    """-> [(gpu, [length text, ...]), ...]: the longest length first, each to the least-loaded GPU
+    (work taken as proportional to L); each share in increasing L; GPUs left without work omitted."""
+    items = [t.strip() for t in lengths.split(",") if t.strip()]
+    devices = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not items or not devices:
+        raise ValueError("--share needs at least one length and one GPU")
+    load = {g: 0 for g in devices}
+    shares = {g: [] for g in devices}
+    for item in sorted(items, key=length_of, reverse=True):
+        g = min(devices, key=lambda d: (load[d], devices.index(d)))
+        load[g] += length_of(item)
+        shares[g].append(item)
+    return [(g, sorted(shares[g], key=length_of)) for g in devices if shares[g]]
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--share"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: merge_results.py --share LENGTHS GPUS")
+        for gpu, items in share(argv[1], argv[2]):
+            print(gpu, ",".join(items))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
     ap.add_argument("inputs", nargs="+")

@@ -38,12 +38,12 @@
 #     tilegym  not yet measured: cuda.tile.tune.exhaustive_search over ~115 configs per shape
 #              (20 shapes), in memory only; warm its configs first (IMPLS including tilegym)
 #   chunks (120 new points): several times the grid; SWEEP_SEQLENS=16K,256K (say) cuts it to 2/5
-#   Several GPUs: run parts or L subsets on each (CUDA_VISIBLE_DEVICES, a BENCH_WORK each) and
-#   merge the CSVs (merge_results.py); every point's implementations still run side by side on one GPU.
+#   Several GPUs: GPUS=0,1 shares each part's lengths out over them (256K on one, 1K-64K on the
+#   other takes about as long); every point's implementations still run side by side on one GPU.
 # Without autotuning (MAMBA2_CUTILE_AUTOTUNE=0, TILEGYM_DISABLE_AUTOTUNE=1) each part is ~2-4 min,
 # but then the implementations are not at their best; the CSVs record these variables.
 #
-# Environment: OUT (default ./bench_out), BENCH_WORK (default .cache/bench, ignored by git),
+# Environment: OUT (default ./bench_out), BENCH_WORK (default .cache/bench, ignored by git), GPUS,
 # IMPLS, SEQLENS, DSTATES, SWEEP_SEQLENS, SWEEP_CHUNKS, GRID_LIMIT, CHUNKS_LIMIT, TASK_TIMEOUT, and
 # EXTRA_ARGS (more bench_forward.py options, e.g. "--device cpu --nheads 2 ..." for a dry run).
 set -uo pipefail
@@ -71,15 +71,42 @@ mkdir -p "$OUT" "$WORK/slices"
 START=$(date +%s)
 elapsed() { echo "$(( $(date +%s) - $1 )) s"; }
 
-# part NAME LIMIT_S BENCH_ARGS...: run bench_forward.py under timeout, copy its CSV, plot and tables to $OUT
-part() {
-    local name=$1 limit=$2; shift 2
-    local t0; t0=$(date +%s)
-    echo "=== $name: up to ${limit} s (started at $(elapsed "$START") into the script)"
+# bench NAME LIMIT_S DIR LOG BENCH_ARGS...: bench_forward.py under timeout, its rows in DIR/NAME.csv
+bench() {
+    local name=$1 limit=$2 dir=$3 log=$4; shift 4
+    mkdir -p "$dir/slices"
     timeout -k 15 "$limit" python tests/benchmark/bench_forward.py "$@" \
-        --csv "$WORK/$name.csv" --resume --slices "$WORK/slices" --task-timeout "$TASK_TIMEOUT" $EXTRA_ARGS \
-        2>&1 | tee -a "$OUT/$name.log"
-    local rc=${PIPESTATUS[0]}
+        --csv "$dir/$name.csv" --resume --slices "$dir/slices" --task-timeout "$TASK_TIMEOUT" $EXTRA_ARGS \
+        2>&1 | tee -a "$log"
+    return "${PIPESTATUS[0]}"
+}
+
+# part NAME LIMIT_S SEQLENS BENCH_ARGS...: the points at SEQLENS, on one GPU, or with GPUS=0,1,... the
+# lengths shared out over those GPUs (merge_results.py --share), one run each at the same time, each in
+# its own folder under $WORK (seeded with the rows there already), then merged; copies the CSV, plot
+# and tables to $OUT. The tuner's cache file is shared: it merges what each process writes.
+part() {
+    local name=$1 limit=$2 seqlens=$3; shift 3
+    local t0 rc=0; t0=$(date +%s)
+    echo "=== $name: up to ${limit} s (started at $(elapsed "$START") into the script)"
+    if [ -z "${GPUS:-}" ]; then
+        bench "$name" "$limit" "$WORK" "$OUT/$name.log" --seqlens "$seqlens" "$@" || rc=$?
+    else
+        local gpu lens pids=() dirs=()
+        while read -r gpu lens; do
+            local dir="$WORK/gpu$gpu"
+            mkdir -p "$dir"
+            [ -f "$dir/$name.csv" ] || [ ! -f "$WORK/$name.csv" ] || cp "$WORK/$name.csv" "$dir/$name.csv"
+            echo "  GPU $gpu: L = $lens (log: $OUT/$name.gpu$gpu.log)"
+            CUDA_VISIBLE_DEVICES=$gpu bench "$name" "$limit" "$dir" "$OUT/$name.gpu$gpu.log" \
+                --seqlens "$lens" "$@" > /dev/null &
+            pids+=("$!"); dirs+=("$dir/$name.csv")
+        done < <(python tests/benchmark/merge_results.py --share "$seqlens" "$GPUS")
+        for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+        local have=(); for f in "${dirs[@]}"; do [ -f "$f" ] && have+=("$f"); done
+        [ "${#have[@]}" -gt 0 ] && python tests/benchmark/merge_results.py "$WORK/$name.csv" "${have[@]}"
+        cat "$OUT/$name".gpu*.log >> "$OUT/$name.log" 2>/dev/null || true
+    fi
     if [ -f "$WORK/$name.csv" ]; then
         cp "$WORK/$name.csv" "$OUT/"
         python tests/benchmark/plot.py "$OUT/$name.csv" --out "$OUT/$name.png" || true
@@ -107,14 +134,13 @@ for p in $PARTS; do
         profile)
             SHAPES=${PROFILE_SHAPES:-"64K:256 256K:128"} OUT="$OUT" tests/benchmark/profile_ncu.sh ;;
         grid)
-            part grid_chunk256 "$GRID_LIMIT" --impls "$IMPLS" --seqlens "$SEQLENS" --dstates "$DSTATES" \
-                --chunks 256 ;;
+            part grid_chunk256 "$GRID_LIMIT" "$SEQLENS" --impls "$IMPLS" --dstates "$DSTATES" --chunks 256 ;;
         chunks)
             # start from the chunk-256 rows of the grid part (when there are some), then add the others
             if [ ! -f "$WORK/grid_chunks.csv" ] && [ -f "$WORK/grid_chunk256.csv" ]; then
                 cp "$WORK/grid_chunk256.csv" "$WORK/grid_chunks.csv"
             fi
-            part grid_chunks "$CHUNKS_LIMIT" --impls "$IMPLS" --seqlens "$SWEEP_SEQLENS" --dstates "$DSTATES" \
+            part grid_chunks "$CHUNKS_LIMIT" "$SWEEP_SEQLENS" --impls "$IMPLS" --dstates "$DSTATES" \
                 --chunks "$SWEEP_CHUNKS" ;;
         *)
             echo "unknown part '$p' (parts: warm, grid, chunks, profile)"; exit 2 ;;
