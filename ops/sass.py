@@ -325,11 +325,6 @@ def kernel_name(kernel):
     return name[:-len("_kernel")] if name.endswith("_kernel") else name
 
 
-def compile_launch(kernel, args, arch, specialize=True):
-    """Cubin of one launch's variant for ``arch`` (see ``ops.aot.compile_cubin``)."""
-    return compile_cubin(kernel, args, arch, specialize=specialize)
-
-
 # A compile takes seconds: keep every report of this process, keyed by what the compiler sees
 # (the kernel, its full signature with the constants' values, and the architecture).
 _CACHE = {}
@@ -338,11 +333,11 @@ _CACHE = {}
 def sass_report(kernel, args, arch, label=None, specialize=True):
     """Compile one launch's variant of ``kernel`` (arguments as the ``*_plan`` functions build
     them; meta tensors do) for ``arch`` and report on its machine code. ``specialize``: see
-    ``compile_launch``."""
+    ``ops.aot.compile_cubin``."""
     signature = launch_signature(kernel, args) if specialize else signature_of(kernel, args)
     key = (kernel, repr(signature), arch)
     if key not in _CACHE:
-        cubin = compile_launch(kernel, args, arch, specialize)
+        cubin = compile_cubin(kernel, args, arch, specialize=specialize)
         _CACHE[key] = analyze_cubin(cubin, arch, kernel_name(kernel))
     return dataclasses.replace(_CACHE[key], label=label or kernel_name(kernel))
 
@@ -368,11 +363,12 @@ def plan_options(name):
             if p.default is not inspect.Parameter.empty]
 
 
-def representative_plan(name, dtype=torch.bfloat16, **options):
-    """(kernel, args) of one launch of kernel ``name`` at ``SHAPE``, as ``ops.forward`` makes it
-    (dt bias and softplus on; entry states in x's dtype; D per head, no z: Mamba-2 gates in its
-    norm). ``options`` go to the ``*_plan`` function, e.g. ``block_m=128``."""
-    s = SHAPE
+def representative_plan(name, dtype=torch.bfloat16, dstate=None, **options):
+    """(kernel, args) of one launch of kernel ``name`` at ``SHAPE`` (``dstate``, when given,
+    replacing its 128), as ``ops.forward`` makes it (dt bias and softplus on; entry states in x's
+    dtype; D per head, no z: Mamba-2 gates in its norm). ``options`` go to the ``*_plan``
+    function, e.g. ``block_m=128`` or ``config={...}``."""
+    s = dict(SHAPE, dstate=dstate or SHAPE["dstate"])
     nchunks = -(-s["seqlen"] // s["chunk"])
 
     def meta(*shape, dt=torch.float32):

@@ -35,11 +35,13 @@ os.environ.setdefault("CUDA_TILE_CACHE_DIR", "off")   # measure compiles, not ca
 import torch  # noqa: E402
 
 from ops import chunk_cumsum, compute_out, fwd_pass_state  # noqa: E402
+from ops.sass import SHAPE, representative_plan  # noqa: E402
 
 KERNELS = {"chunk_cumsum": chunk_cumsum, "fwd_pass_state": fwd_pass_state,
            "compute_out": compute_out}
-LAYER = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, chunk_size=256,
-             dtype=torch.bfloat16)
+# ops.sass's representative layer, in the keys the kernel modules' config functions take.
+LAYER = dict({k: v for k, v in SHAPE.items() if k not in ("chunk", "dstate")},
+             chunk_size=SHAPE["chunk"], dtype=torch.bfloat16)
 
 
 def shape(dstate, **overrides):
@@ -47,30 +49,11 @@ def shape(dstate, **overrides):
     return {**LAYER, "dstate": dstate, **overrides}
 
 
-def _meta(*size, dtype=torch.float32):
-    return torch.empty(size, dtype=dtype, device="meta")
-
-
 def plan(name, shp, config):
-    """(kernel, args) of one launch of kernel ``name`` for shape ``shp`` with ``config``."""
-    b, L, h, p, g, n = (shp[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups",
-                                         "dstate"))
-    chunk, dtype = shp["chunk_size"], shp["dtype"]
-    nchunks = -(-L // chunk)
-    x, B = _meta(b, L, h, p, dtype=dtype), _meta(b, L, g, n, dtype=dtype)
-    dt_out, dA = _meta(b, h, nchunks, chunk), _meta(b, h, nchunks, chunk)
-    if name == "chunk_cumsum":
-        A = _meta(h)
-        _, kernel, args, _ = chunk_cumsum.chunk_cumsum_plan(
-            _meta(b, L, h), A, chunk, dt_bias=A, dt_softplus=True, config=config)
-    elif name == "fwd_pass_state":
-        _, kernel, args, _ = fwd_pass_state.fwd_pass_state_plan(
-            x, B, dt_out, dA, states_dtype=dtype, config=config)
-    else:
-        states = _meta(b, nchunks, h, p, n, dtype=dtype)
-        _, kernel, args, _ = compute_out.compute_out_plan(x, B, B, dt_out, dA, states,
-                                                          D=_meta(h), config=config)
-    return kernel, args
+    """(kernel, args) of one launch of kernel ``name`` for shape ``shp`` with ``config``: the
+    representative launch of ``ops.sass`` (the same layer, as ``ops.forward`` calls it) at
+    ``shp``'s dstate and dtype."""
+    return representative_plan(name, shp["dtype"], dstate=shp["dstate"], config=config)
 
 
 def _sass():
