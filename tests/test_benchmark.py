@@ -467,14 +467,15 @@ def test_ncu_summary_reads_the_raw_page(tmp_path):
 
 def test_merge_results_later_runs_win_point_by_point(tmp_path):
     import merge_results
-    header = ["impl", "seqlen", "dstate", "chunk", "ms", "started_at"]
+    shape = {"batch": 1, "nheads": 80, "headdim": 64, "ngroups": 1, "dtype": "bfloat16"}
+    header = ["impl", "seqlen", "dstate", "chunk", "ms", "started_at", *shape]
 
     def write(name, rows):
         path = tmp_path / name
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(header)
-            w.writerows(rows)
+            w.writerows(row + list(shape.values()) for row in rows)
         return str(path)
 
     first = write("first.csv", [["triton", 1024, 64, 256, 0.5, "t1"], ["cutile", 1024, 64, 256, 0.2, "t1"],

@@ -1,4 +1,4 @@
-"""Merge benchmark CSVs from several runs into one, a row per (impl, seqlen, dstate, chunk).
+"""Merge benchmark CSVs from several runs into one, a row per point of the grid.
 
     python tests/benchmark/merge_results.py OUT.csv RUN1.csv RUN2.csv ...
     python tests/benchmark/merge_results.py --share 1K,4K,16K,64K,256K 0,1    # split L over GPUs
@@ -6,8 +6,9 @@
 For grids split over runs (one GPU each, or a run resumed later): where two inputs hold the same
 point for the same implementation, the later input wins, so list the runs oldest first. Each row
 keeps its own provenance columns (git_commit, started_at, env), so notebook 07 can still say which
-run measured what. Rows are written in the order bench_forward.py uses: implementation (as first
-seen), then L, dstate and chunk. Inputs must share one header; a mismatch is an error, not a guess.
+run measured what. A point is what bench_forward.py calls one (``point_key``: implementation,
+shape, chunk, dtype). Rows are written grouped by implementation (in the order first seen), then
+by L, dstate and chunk. Inputs must share one header; a mismatch is an error, not a guess.
 
 ``--share LENGTHS GPUS`` prints how ``run_h200.sh`` (with ``GPUS=...``) shares the sequence lengths
 of a grid out over several GPUs, one line per GPU that gets any: "GPU LENGTHS". A point's cost grows
@@ -18,7 +19,7 @@ import argparse
 import csv
 import sys
 
-KEY = ("impl", "seqlen", "dstate", "chunk")
+from bench_forward import parse_lengths, point_key
 
 
 def merge(paths):
@@ -29,16 +30,16 @@ def merge(paths):
             reader = csv.DictReader(f)
             if header is None:
                 header = reader.fieldnames
-                missing = [k for k in KEY if k not in header]
-                if missing:
-                    raise ValueError(f"{path}: no column(s) {', '.join(missing)}")
             elif reader.fieldnames != header:
                 raise ValueError(f"{path}: its columns differ from {paths[0]}'s; merge runs of one "
                                  f"version of bench_forward.py")
             for row in reader:
                 if row["impl"] not in impl_order:
                     impl_order.append(row["impl"])
-                merged[tuple(row[k] for k in KEY)] = row
+                try:
+                    merged[point_key(row)] = row
+                except KeyError as e:
+                    raise ValueError(f"{path}: no column {e} (not a bench_forward.py CSV)") from None
     if header is None:
         raise ValueError("no input files")
     rows = sorted(merged.values(), key=lambda r: (impl_order.index(r["impl"]), int(r["seqlen"]),
@@ -47,10 +48,8 @@ def merge(paths):
 
 
 def length_of(text):
-    """"16K" -> 16384, "1M" -> 1048576, "512" -> 512 (as bench_forward.py reads --seqlens)."""
-    text = text.strip().upper()
-    scale = {"K": 1024, "M": 1024**2}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+    """"16K" -> 16384, as bench_forward.py reads --seqlens."""
+    return parse_lengths(text)[0]
 
 
 def share(lengths, gpus):
