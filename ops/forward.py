@@ -60,11 +60,12 @@ def _choose(name, shape, features, run, tuning):
     if not tuning:
         return default
     from .autotune import seqlen_bucket, tuner
+    sizes = {k: v for k, v in shape.items() if k != "on_gpu"}
     key = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
-           for k, v in shape.items() if k != "on_gpu"}
+           for k, v in sizes.items()}
     key["seqlen"] = seqlen_bucket(shape["seqlen"])
     key["features"] = features
-    space = module.search_space(**{k: v for k, v in shape.items() if k != "on_gpu"})
+    space = module.search_space(**sizes)
     # A fingerprint of the candidates: when a search space changes, its shapes are tuned again
     # instead of reusing a winner picked from the old list.
     key["space"] = hashlib.sha256(repr(space).encode()).hexdigest()[:8]

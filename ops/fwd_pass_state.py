@@ -29,12 +29,13 @@ Parallelism
     That grid is small: batch * nheads * (headdim / BLOCK_P) * (dstate / BLOCK_N) blocks, e.g.
     80 for a 2.7B-sized layer (h=80, p=64, n=128) with 64 x 128 tiles, against 132
     multiprocessors on an H200. Narrower tiles give more blocks but read x once per dstate
-    tile and B once per headdim tile; at 128K tokens, 64 x 128 with 16-bit entry states
-    measured fastest (2.1 ms, against 2.8-6 ms for 64 x 32..64 and 16..32 x 64..128), and
-    64 x 64 with float32 entry states. Each block is latency-bound on its chunk-by-chunk loads
-    (~1 TB/s overall); occupancy hints and load latency hints changed nothing, so a faster
-    version needs more memory in flight per block (several chunks per iteration) or a parallel
-    chunk-state pass ahead of a light sequential one, as mamba_ssm does.
+    tile and B once per headdim tile. Each block is latency-bound on its chunk-by-chunk loads:
+    untuned, 64 x 128 with 16-bit entry states measured fastest at 128K tokens, dstate 128
+    (2.1 ms, against 2.8-6 ms for other tiles at the compiler's default occupancy), yet at
+    ~1 TB/s. What the autotuner later measured on the H200 (notebook 06): the load latency hint
+    LOAD_LAT=8 gives 1.3-1.4x at dstate >= 128, and 64 x 64 tiles at two blocks per
+    multiprocessor 1.3-1.7x; beyond that, a faster version needs more memory in flight per block
+    or a parallel chunk-state pass ahead of a light sequential one, as mamba_ssm does.
 
 Layouts
     dt and the decay cumsum come from chunk_cumsum as (batch, nheads, nchunks, CHUNK): one
