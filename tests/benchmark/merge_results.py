@@ -47,11 +47,6 @@ def merge(paths):
     return header, rows
 
 
-def length_of(text):
-    """"16K" -> 16384, as bench_forward.py reads --seqlens."""
-    return parse_lengths(text)[0]
-
-
 def share(lengths, gpus):
     """-> [(gpu, [length text, ...]), ...]: the longest length first, each to the least-loaded GPU
     (work taken as proportional to L); each share in increasing L; GPUs left without work omitted."""
@@ -59,13 +54,14 @@ def share(lengths, gpus):
     devices = [g.strip() for g in gpus.split(",") if g.strip()]
     if not items or not devices:
         raise ValueError("--share needs at least one length and one GPU")
+    length = dict(zip(items, parse_lengths(",".join(items))))     # "16K" -> 16384
     load = {g: 0 for g in devices}
     shares = {g: [] for g in devices}
-    for item in sorted(items, key=length_of, reverse=True):
+    for item in sorted(items, key=length.get, reverse=True):
         g = min(devices, key=lambda d: (load[d], devices.index(d)))
-        load[g] += length_of(item)
+        load[g] += length[item]
         shares[g].append(item)
-    return [(g, sorted(shares[g], key=length_of)) for g in devices if shares[g]]
+    return [(g, sorted(shares[g], key=length.get)) for g in devices if shares[g]]
 
 
 def main(argv=None):
