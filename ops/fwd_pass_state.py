@@ -80,6 +80,9 @@ from .launch import fit_index_width, launch
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
+# An H200's (and H100 SXM's) multiprocessor count: only prunes the occupancy hints the search
+# space tries (see ``search_space``); the tuner still measures whatever it keeps.
+MULTIPROCESSORS = 132
 
 
 # Helpers called from the kernel below. Plain functions are compiled into the kernel that calls
@@ -281,7 +284,7 @@ def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
 
 
 def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
-    """Variants worth timing (about 20-25 for realistic shapes; the default comes first).
+    """Variants worth timing (about 20-40 for realistic shapes; the default comes first).
 
     The block is latency-bound on its chunk-by-chunk loads with few blocks in flight, so the
     space varies what is in flight per block (CHUNKS_PER_ITER, latency hints), the number of
@@ -305,15 +308,27 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     for anchor in anchors:
         for load_lat, store_lat in ((3, 0), (8, 0), (0, 8), (8, 8)):
             configs.append({**anchor, "LOAD_LAT": load_lat, "STORE_LAT": store_lat})
-    # Smaller tiles give more blocks than multiprocessors: let two share one.
-    blocks = lambda bp, bn: (headdim // bp) * (dstate // bn)
-    for bp, bn in tiles[1:]:
-        if blocks(bp, bn) > blocks(base["BLOCK_P"], base["BLOCK_N"]):
-            configs.append({**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": 2})
+    # Smaller tiles give more blocks than multiprocessors: let several share one. Every block
+    # walks the whole sequence, so a block that finds no free slot waits for a whole block's
+    # run: besides two per multiprocessor, the occupancy that fits all blocks in one wave (at
+    # most 4, where the registers run out). Each with and without the long load-latency hint
+    # (both paid on their own on the H200).
+    blocks = lambda bp, bn: (shape.get("batch", 1) * shape.get("nheads", 1)
+                             * (headdim // bp) * (dstate // bn))
+    narrow = [(bp, bn) for bp, bn in ((64, 32),) if bp <= headdim and bn <= dstate]
+    for bp, bn in tiles[1:] + narrow:      # 64 x 32: 32 dstate columns, x read from L2 again
+        n = blocks(bp, bn)
+        if n <= blocks(base["BLOCK_P"], base["BLOCK_N"]):
+            continue
+        one_wave = min(4, -(-n // MULTIPROCESSORS))
+        for occupancy in sorted({2, max(2, one_wave)}):
+            configs += [{**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": occupancy,
+                         "LOAD_LAT": lat} for lat in (0, 8)]
     kept = [c for c in configs if fits(c, **kw)]
     # Eight worker warps (the compiler's default is four) on the two kinds of winners measured
     # on the H200: the long load-latency hint, and smaller tiles at two blocks per multiprocessor.
-    wide = [{**base, "LOAD_LAT": 8}] + [c for c in kept if c.get("occupancy") == 2][:1]
+    wide = [{**base, "LOAD_LAT": 8}] + [c for c in kept if c.get("occupancy") == 2
+                                        and not c["LOAD_LAT"]][:1]
     kept += [{**c, "num_worker_warps": 8} for c in wide]
     return unique(kept + [{**kept[0], "INDEX64": True}])
 

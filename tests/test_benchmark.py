@@ -384,7 +384,8 @@ def test_warm_compile_covers_every_search_space_config():
     import warm_compile
     from ops.forward import _MODULES
     args = argparse.Namespace(dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
-                              ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=2)
+                              ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=2,
+                              kernels=list(_MODULES))
     tasks = warm_compile._tasks(args)
     for name, module in _MODULES.items():
         for dstate in (64, 256):
@@ -399,6 +400,11 @@ def test_warm_compile_covers_every_search_space_config():
     assert tasks[:16] == [("tilegym", L, d, c, (part, 2)) for c in (128, 256) for d in (64, 256)
                           for L in (1024, 16384) for part in (0, 1)]
     assert all(t[0] != "tilegym" for t in tasks[16:])
+    # --kernels keeps only the kernels named; none at all leaves TileGym's calls alone
+    args.kernels = ["fwd_pass_state"]
+    assert {t[0] for t in warm_compile._tasks(args)} == {"tilegym", "fwd_pass_state"}
+    args.kernels, args.tilegym = [], False
+    assert warm_compile._tasks(args) == []
 
 
 def test_warm_compile_slices_tilegym_config_lists(monkeypatch):

@@ -9,6 +9,7 @@ compiled.
 
     python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,16384 --procs 12
     python tests/benchmark/warm_compile.py --chunks 64,128,256 --tilegym     # + the chunk sweep, TileGym
+    python tests/benchmark/warm_compile.py --kernels fwd_pass_state          # one kernel's space
 
 Each (dstate, seqlen) pair stands for the benchmark shapes that specialize alike: 1K tokens have
 4 chunks of 256 (not a multiple of 16), 4K and more have a multiple of 16 chunks.
@@ -50,7 +51,7 @@ def _tasks(args):
                 shape = dict(batch=1, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
                              ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
                              dtype=torch.bfloat16, states_dtype=torch.bfloat16)
-                for name in KERNELS:
+                for name in args.kernels:
                     if name == "chunk_cumsum" and dstate != args.dstates[0]:
                         continue        # it never sees dstate: one set of compiles serves all
                     for cfg in _MODULES[name].search_space(**shape):
@@ -134,11 +135,18 @@ def main(argv=None):
     ap.add_argument("--tilegym", action="store_true", help="also warm TileGym's kernels (see above)")
     ap.add_argument("--tilegym-parts", type=int, default=8,
                     help="processes sharing one shape's TileGym configs (each compiles every n-th)")
+    ap.add_argument("--kernels", default=",".join(KERNELS),
+                    help="which of our kernels to warm (comma-separated; 'none' with --tilegym "
+                         "for TileGym's alone)")
     ap.add_argument("--procs", type=int, default=min(12, os.cpu_count() or 1))
     args = ap.parse_args(argv)
     args.dstates = [int(v) for v in args.dstates.split(",")]
     args.seqlens = [int(v) for v in args.seqlens.split(",")]
     args.chunks = [int(v) for v in args.chunks.split(",")]
+    args.kernels = [k for k in args.kernels.split(",") if k and k != "none"]
+    unknown = set(args.kernels) - set(KERNELS)
+    if unknown:
+        ap.error(f"--kernels: unknown {sorted(unknown)}; expected some of {', '.join(KERNELS)}")
 
     tasks = _tasks(args)
     # Interleave so every process gets a mix of kernels (compile times differ a lot).
