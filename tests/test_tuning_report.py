@@ -39,6 +39,19 @@ def test_reads_every_candidate_against_the_default(tmp_path):
         tuning_report.find(entries, "compute_out", 65536, 512)
 
 
+def test_reads_one_chunk_size(tmp_path):
+    """A cache tuned at several chunk sizes holds one entry per (shape, chunk): load keeps chunk
+    256's unless told otherwise, so find and best_single_knob see one entry per shape."""
+    path = _cache(tmp_path)
+    raw = json.loads(path.read_text())
+    (key, value), = [(k, v) for k, v in raw.items() if "timings" in v]
+    raw[key.replace("chunk_size=256", "chunk_size=64")] = {**value, "ms": 0.5}
+    path.write_text(json.dumps(raw))
+    assert [e["ms"] for e in tuning_report.load(path)] == [1.0]
+    assert [e["ms"] for e in tuning_report.load(path, chunk_size=64)] == [0.5]
+    assert sorted(e["ms"] for e in tuning_report.load(path, chunk_size=None)) == [0.5, 1.0]
+
+
 def test_single_knob_effects_ignore_combinations(tmp_path):
     entries = tuning_report.load(_cache(tmp_path))
     # SWAP alone 1.6 ms, SWAP with occupancy 1.25 ms: 1.6x; SWAP + BLOCK_M (1.0 ms) does not count

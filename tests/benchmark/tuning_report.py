@@ -7,7 +7,7 @@ same shape, each candidate says what its changes bought or cost there.
     python tests/benchmark/tuning_report.py tests/benchmark/results/autotune_h200.json
     python tests/benchmark/tuning_report.py CACHE --kernel compute_out --seqlen 65536 --dstate 512
 
-``load(path)`` -> entries; ``knobs(entry)`` -> one row per candidate (its changes from the
+``load(path)`` -> entries (chunk 256's); ``knobs(entry)`` -> one row per candidate (its changes from the
 default, time, speedup); ``best_single_knob(entries, kernel)`` -> for each knob, the speedup of
 the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape.
 """
@@ -30,10 +30,11 @@ KNOB_NAMES = {
 }
 
 
-def load(path):
+def load(path, chunk_size=256):
     """-> list of entries: dict(kernel, device, shape (dict), config, ms, default, default_ms,
     timings [(ms, config), ...]). The default is the first candidate timed (the search spaces
-    put it first); entries without per-candidate timings are skipped."""
+    put it first); entries without per-candidate timings are skipped. Only entries tuned at
+    ``chunk_size`` are kept (None: every chunk size), so that one (seqlen, dstate) names one entry."""
     with open(path) as f:
         raw = json.load(f)
     entries = []
@@ -45,6 +46,8 @@ def load(path):
         for item in items.split(","):
             k, v = item.split("=", 1)
             shape[k] = int(v) if v.isdigit() else v
+        if chunk_size is not None and shape.get("chunk_size") != chunk_size:
+            continue
         timings = [(float(ms), cfg) for ms, cfg in value["timings"]]
         entries.append(dict(kernel=kernel, device=device, shape=shape, config=value["config"],
                             ms=float(value["ms"]), default=timings[0][1],
