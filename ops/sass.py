@@ -363,35 +363,40 @@ def plan_options(name):
             if p.default is not inspect.Parameter.empty]
 
 
-def representative_plan(name, dtype=torch.bfloat16, dstate=None, **options):
-    """(kernel, args) of one launch of kernel ``name`` at ``SHAPE`` (``dstate``, when given,
-    replacing its 128), as ``ops.forward`` makes it (dt bias and softplus on; entry states in x's
-    dtype; D per head, no z: Mamba-2 gates in its norm). ``options`` go to the ``*_plan``
-    function, e.g. ``block_m=128`` or ``config={...}``."""
-    s = dict(SHAPE, dstate=dstate or SHAPE["dstate"])
-    nchunks = -(-s["seqlen"] // s["chunk"])
+def meta_plan(name, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size,
+              dtype=torch.bfloat16, **options):
+    """(grid, kernel, args, outputs) of one launch of kernel ``name`` at the given shape, built on
+    meta tensors (no memory, no GPU), as ``ops.forward`` makes it: dt bias and softplus on, entry
+    states in x's dtype, D per head, no z (Mamba-2 gates in its norm). ``options`` go to the
+    ``*_plan`` function, e.g. ``block_m=128`` or ``config={...}``."""
+    nchunks = -(-seqlen // chunk_size)
 
     def meta(*shape, dt=torch.float32):
         return torch.empty(shape, dtype=dt, device="meta")
 
-    x = meta(s["batch"], s["seqlen"], s["nheads"], s["headdim"], dt=dtype)
-    B = meta(s["batch"], s["seqlen"], s["ngroups"], s["dstate"], dt=dtype)
-    dt_out = meta(s["batch"], s["nheads"], nchunks, s["chunk"])
-    dA = meta(s["batch"], s["nheads"], nchunks, s["chunk"])
+    x = meta(batch, seqlen, nheads, headdim, dt=dtype)
+    B = meta(batch, seqlen, ngroups, dstate, dt=dtype)
+    dt_out = meta(batch, nheads, nchunks, chunk_size)
+    dA = meta(batch, nheads, nchunks, chunk_size)
     plan = _plan_function(name)
     if name == "chunk_cumsum":
-        dt = meta(s["batch"], s["seqlen"], s["nheads"], dt=dtype)
-        A = meta(s["nheads"])
+        A = meta(nheads)
         options = {"dt_bias": A, "dt_softplus": True, **options}
-        _, kernel, args, _ = plan(dt, A, s["chunk"], **options)
-    elif name == "fwd_pass_state":
-        _, kernel, args, _ = plan(x, B, dt_out, dA, **{"states_dtype": dtype, **options})
-    elif name == "compute_out":
-        states = meta(s["batch"], nchunks, s["nheads"], s["headdim"], s["dstate"], dt=dtype)
-        _, kernel, args, _ = plan(x, B, B, dt_out, dA, states, **{"D": meta(s["nheads"]),
-                                                                  **options})
-    else:
-        raise ValueError(f"unknown kernel {name!r}; choose from {', '.join(KERNELS)}")
+        return plan(meta(batch, seqlen, nheads, dt=dtype), A, chunk_size, **options)
+    if name == "fwd_pass_state":
+        return plan(x, B, dt_out, dA, **{"states_dtype": dtype, **options})
+    if name == "compute_out":
+        states = meta(batch, nchunks, nheads, headdim, dstate, dt=dtype)
+        return plan(x, B, B, dt_out, dA, states, **{"D": meta(nheads), **options})
+    raise ValueError(f"unknown kernel {name!r}; choose from {', '.join(KERNELS)}")
+
+
+def representative_plan(name, dtype=torch.bfloat16, dstate=None, **options):
+    """(kernel, args) of one launch of kernel ``name`` at ``SHAPE`` (``dstate``, when given,
+    replacing its 128): ``meta_plan`` at that layer."""
+    layer = {k: v for k, v in SHAPE.items() if k != "chunk"}
+    layer.update(chunk_size=SHAPE["chunk"], dstate=dstate or SHAPE["dstate"])
+    _, kernel, args, _ = meta_plan(name, dtype=dtype, **layer, **options)
     return kernel, args
 
 

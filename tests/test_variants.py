@@ -34,6 +34,7 @@ import torch
 from ops import chunk_cumsum as cumsum_mod
 from ops import compute_out as out_mod
 from ops import fwd_pass_state as state_mod
+from ops.sass import meta_plan
 from tests.helpers import make_problem, rel_err
 
 CHUNK = 64
@@ -234,24 +235,10 @@ def test_kernel_forward_configs(device):
 
 # Search spaces and hints (no kernel runs) --------------------------------------------------------
 
-def _meta(*size, dtype=torch.float32):
-    return torch.empty(size, dtype=dtype, device="meta")
-
-
 def _plan(shape, module, config):
-    """Build (without running) ``module``'s launch for ``config`` at ``shape``."""
-    b, L, h, p, g, n, chunk = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim",
-                                                  "ngroups", "dstate", "chunk_size"))
-    nchunks = -(-L // chunk)
-    x, B = _meta(b, L, h, p, dtype=shape["dtype"]), _meta(b, L, g, n, dtype=shape["dtype"])
-    dt_out, dA = _meta(b, h, nchunks, chunk), _meta(b, h, nchunks, chunk)
-    if module is cumsum_mod:
-        return cumsum_mod.chunk_cumsum_plan(_meta(b, L, h), _meta(h), chunk, config=config)
-    if module is state_mod:
-        return state_mod.fwd_pass_state_plan(x, B, dt_out, dA, states_dtype=shape["dtype"],
-                                             config=config)
-    states = _meta(b, nchunks, h, p, n, dtype=shape["dtype"])
-    return out_mod.compute_out_plan(x, B, B, dt_out, dA, states, D=_meta(h), config=config)
+    """Build (without running) ``module``'s launch for ``config`` at ``shape``, on meta tensors
+    (``ops.sass.meta_plan``: the launch as ``ops.forward`` makes it)."""
+    return meta_plan(module.__name__.rsplit(".", 1)[-1], **shape, config=config)
 
 
 @pytest.mark.parametrize("module", [cumsum_mod, state_mod, out_mod],
