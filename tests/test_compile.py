@@ -16,6 +16,7 @@ from ops.aot import ARCHS, compile_cubin
 from ops.chunk_cumsum import chunk_cumsum_plan
 from ops.compute_out import compute_out_plan
 from ops.fwd_pass_state import fwd_pass_state_plan
+from ops.sass import meta_plan
 
 
 def with_archs(variants):
@@ -142,23 +143,9 @@ BOTH, HOPPER = ["sm_90", "sm_100"], ["sm_90"]
 
 
 def layer_plan(name, dstate, config):
-    """(kernel, args) of one launch of kernel ``name`` at LAYER with ``dstate`` and ``config``."""
-    s = LAYER
-    b, L, h, p, chunk = s["batch"], s["seqlen"], s["nheads"], s["headdim"], s["chunk_size"]
-    nchunks = -(-L // chunk)
-    x = meta(b, L, h, p, dtype=s["dtype"])
-    B = meta(b, L, s["ngroups"], dstate, dtype=s["dtype"])
-    dt_out, dA = meta(b, h, nchunks, chunk), meta(b, h, nchunks, chunk)
-    if name == "chunk_cumsum":
-        _, kernel, args, _ = chunk_cumsum_plan(meta(b, L, h), meta(h), chunk, dt_bias=meta(h),
-                                               dt_softplus=True, config=config)
-    elif name == "fwd_pass_state":
-        _, kernel, args, _ = fwd_pass_state_plan(x, B, dt_out, dA, states_dtype=s["dtype"],
-                                                 config=config)
-    else:
-        states = meta(b, nchunks, h, p, dstate, dtype=s["dtype"])
-        _, kernel, args, _ = compute_out_plan(x, B, B, dt_out, dA, states, D=meta(h),
-                                              config=config)
+    """(kernel, args) of one launch of kernel ``name`` at LAYER with ``dstate`` and ``config``,
+    as ``ops.forward`` makes it (``ops.sass.meta_plan``)."""
+    _, kernel, args, _ = meta_plan(name, **LAYER, dstate=dstate, config=config)
     return kernel, args
 
 
