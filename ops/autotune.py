@@ -131,10 +131,6 @@ class Autotuner:
             json.dump(on_disk, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)
 
-    def cached(self, kernel_name, shape):
-        entry = self._load().get(self.key(kernel_name, shape))
-        return None if entry is None else entry["config"]
-
     # The search -------------------------------------------------------------------------------
 
     def best(self, kernel_name, shape, candidates, default, run):

@@ -45,22 +45,10 @@ import torch
 
 import cuda.tile as ct
 
-from .launch import fit_index_width, launch
-
-LOG2E = 1.4426950408889634  # exp(v) == exp2(v * LOG2E)
-
-ConstInt = ct.Constant[int]
-ConstBool = ct.Constant[bool]
-
-
-def latency_hint(value):
-    """The ``latency=`` argument of a load or store for a LOAD_LAT / STORE_LAT constant.
-
-    0 means no hint (the compiler infers the latency); 1 (low) .. 10 (high) tells it how heavy
-    the DRAM traffic behind that access is expected to be, which it weighs when it schedules and
-    pipelines the access. Called inside tile code with a constant, so it is evaluated while
-    compiling: the compiled kernel contains the hint or nothing."""
-    return None if value == 0 else value
+from .configs import resolve_config, unique, with_hints
+from .launch import Plan, fit_index_width, run
+from .utils import (LOG2E, ConstBool, ConstInt, cdiv, check_chunk_size, is_pow2_in, latency_hint,
+                    new_output, next_pow2)
 
 
 @ct.kernel
@@ -124,85 +112,11 @@ def chunk_cumsum_kernel(
              latency=latency_hint(STORE_LAT))
 
 
-# Configs ------------------------------------------------------------------------------------
-#
-# Every kernel module exposes ``default_config(**shape)`` (today's behaviour) and
-# ``search_space(**shape)`` (the variants worth timing for that shape); its ``*_plan`` takes
-# ``config=`` and returns the kernel with the config's compiler hints already applied. ``shape``
-# is one dict of problem sizes shared by the three modules (each takes what it needs and ignores
-# the rest): batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size, dtype (x's) and
-# optionally states_dtype (defaults to dtype, as in ops.forward). The helpers below are shared.
-
-# Compiler hints a config may set (None keeps the kernel's own).
-HINT_KEYS = ("occupancy", "num_ctas", "num_worker_warps")
-_HINTED = {}                             # (kernel, hints) -> kernel with those hints
-
-
-def with_hints(kernel, config):
-    """``kernel`` with the config's compiler hints (occupancy, num_ctas, num_worker_warps) applied.
-
-    ``replace_hints`` returns a new kernel object with its own compile cache, so calling it on
-    every launch would recompile every time; keeping one object per (kernel, hints) means each
-    variant compiles once per process. With no hint set, the kernel itself is returned (its
-    decorator's hints, e.g. compute_out's occupancy on sm_90, stay in force)."""
-    hints = tuple((k, config[k]) for k in HINT_KEYS if config.get(k) is not None)
-    if not hints:
-        return kernel
-    key = (kernel, hints)
-    if key not in _HINTED:
-        _HINTED[key] = kernel.replace_hints(**dict(hints))
-    return _HINTED[key]
-
-
-def resolve_config(config, default):
-    """``default`` updated with ``config`` (None -> the default). Unknown keys raise: a typo
-    would otherwise silently time the default under another name."""
-    if config is None:
-        return dict(default)
-    unknown = set(config) - set(default)
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}; expected {sorted(default)}")
-    merged = {**default, **config}
-    for key in ("LOAD_LAT", "STORE_LAT"):
-        if key in merged and not (isinstance(merged[key], int) and 0 <= merged[key] <= 10):
-            raise ValueError(f"{key} must be an int in 0..10 (0 = no hint), got {merged[key]!r}")
-    occ, ctas = merged.get("occupancy"), merged.get("num_ctas")
-    if merged.get("num_worker_warps") not in (None, 4, 8):
-        # 4 and 8 are what the TileIR compiler 13.4 accepts (others need 13.5)
-        raise ValueError(f"num_worker_warps must be None, 4 or 8, got {merged['num_worker_warps']!r}")
-    if occ is not None and not (isinstance(occ, int) and 1 <= occ <= 32):
-        raise ValueError(f"occupancy must be None or an int in 1..32, got {occ!r}")
-    if ctas not in (None, 1):
-        # Clusters of several CTAs (cuTile's num_ctas > 1) gave wrong results (chunk_cumsum) and
-        # misaligned-address faults (fwd_pass_state, compute_out) on an H200 with cuda-tile
-        # 1.7.0, so they are refused rather than tuned over.
-        raise ValueError(f"num_ctas must be None or 1 (clusters of several CTAs gave wrong "
-                         f"results on sm_90 with these kernels), got {ctas!r}")
-    return merged
-
-
-def _pow2_in(value, lo, hi):
-    return isinstance(value, int) and lo <= value <= hi and value & (value - 1) == 0
-
-
-def _esize(dtype):
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def unique(configs):
-    """The configs in order, duplicates dropped."""
-    seen, out = set(), []
-    for cfg in configs:
-        key = tuple(sorted(cfg.items()))
-        if key not in seen:
-            seen.add(key)
-            out.append(cfg)
-    return out
-
+# Configs (see ops.configs) and launching ----------------------------------------------------
 
 def default_config(*, nheads, **_):
     """Today's choice: 16 heads per block (fewer when there are fewer heads), no hints."""
-    return dict(BLOCK_H=min(16, _next_pow2(nheads)), LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
+    return dict(BLOCK_H=min(16, next_pow2(nheads)), LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
                 occupancy=None, num_ctas=None, num_worker_warps=None)
 
 
@@ -211,7 +125,7 @@ def search_space(*, nheads, **shape):
     load latency hint, and a few hints (17 configs from 16 heads up); the kernel moves
     seqlen * nheads * 12 bytes, a few percent of the forward pass."""
     base = default_config(nheads=nheads, **shape)
-    widths = sorted({min(bh, _next_pow2(nheads)) for bh in (4, 8, 16, 32)})
+    widths = sorted({min(bh, next_pow2(nheads)) for bh in (4, 8, 16, 32)})
     configs = [base]
     for bh in widths:
         for load_lat in (0, 3, 8):
@@ -221,47 +135,29 @@ def search_space(*, nheads, **shape):
     return unique(configs + [{**configs[0], "INDEX64": True}])
 
 
-def new_output(shape, dtype, device, poison=False):
-    """An output buffer for a kernel to fill. ``poison=True`` fills it with NaN first, so an
-    element the kernel fails to write shows up in tests; by default it is left uninitialised
-    (filling costs a full write of the buffer: ~0.5 ms at 128K tokens on an H200)."""
-    if poison:
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _next_pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def check_chunk_size(chunk_size):
-    if not (isinstance(chunk_size, int) and 16 <= chunk_size <= 256
-            and chunk_size & (chunk_size - 1) == 0):
-        raise ValueError(f"chunk_size must be a power of two in [16, 256], got {chunk_size!r}")
-
-
 def chunk_cumsum_plan(dt, A, chunk_size, dt_bias=None, dt_softplus=False,
                       dt_limit=(0.0, math.inf), block_h=None, poison=False, config=None):
-    """Allocate the outputs and build (grid, kernel, args, outputs) without launching.
+    """Allocate the outputs and build the launch (an ``ops.launch.Plan``) without running it.
 
     ``config``: a dict from ``search_space`` (or part of one; missing keys take
     ``default_config``'s values). ``block_h``, when given, overrides the config's BLOCK_H."""
     check_chunk_size(chunk_size)
     batch, seqlen, nheads = dt.shape
-    nchunks = -(-seqlen // chunk_size)
+    nchunks = cdiv(seqlen, chunk_size)
     cfg = resolve_config(config, default_config(nheads=nheads))
     block_h = block_h or cfg["BLOCK_H"]
-    if not _pow2_in(block_h, 1, 1024):
+    if not is_pow2_in(block_h, 1, 1024):
         raise ValueError(f"BLOCK_H must be a power of two, got {block_h}")
     shape = (batch, nheads, nchunks, chunk_size)
     dt_out = new_output(shape, torch.float32, dt.device, poison)
     dA_cumsum = new_output(shape, torch.float32, dt.device, poison)
     bias = dt_bias if dt_bias is not None else torch.zeros(1, dtype=torch.float32, device=dt.device)
-    grid = (nchunks, -(-nheads // block_h), batch)
+    grid = (nchunks, cdiv(nheads, block_h), batch)
     args = (dt, A, bias, dt_out, dA_cumsum, float(dt_limit[0]), float(dt_limit[1]),
             chunk_size, block_h, dt_bias is not None, bool(dt_softplus),
             cfg["LOAD_LAT"], cfg["STORE_LAT"])
-    return grid, with_hints(fit_index_width(chunk_cumsum_kernel, args, cfg["INDEX64"]), cfg), args, (dt_out, dA_cumsum)
+    kernel = with_hints(fit_index_width(chunk_cumsum_kernel, args, cfg["INDEX64"]), cfg)
+    return Plan(grid, kernel, args, (dt_out, dA_cumsum))
 
 
 def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf),
@@ -273,7 +169,5 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0
     Inputs must be contiguous. ``poison=True`` NaN-fills the outputs first (for tests).
     ``config`` picks a variant (see ``search_space``); None is ``default_config``.
     """
-    grid, kernel, args, outs = chunk_cumsum_plan(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit,
-                                                 poison=poison, config=config)
-    launch(grid, kernel, args)
-    return outs
+    return run(chunk_cumsum_plan(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit,
+                                 poison=poison, config=config))

@@ -25,11 +25,8 @@ import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import latency_hint, new_output
-from .launch import fit_index_width
-
-ConstInt = ct.Constant[int]
-ZERO = ct.PaddingMode.ZERO
+from .launch import Plan, fit_index_width
+from .utils import ZERO, ConstInt, cdiv, latency_hint, new_output
 
 
 @ct.kernel
@@ -67,14 +64,14 @@ def chunk_scores_kernel(
 def new_scores(B, chunk_size, poison=False):
     """The (batch, nchunks, ngroups, CHUNK, CHUNK) float32 buffer the kernel fills."""
     batch, seqlen, ngroups, _ = B.shape
-    nchunks = -(-seqlen // chunk_size)
+    nchunks = cdiv(seqlen, chunk_size)
     return new_output((batch, nchunks, ngroups, chunk_size, chunk_size), torch.float32, B.device,
                       poison)
 
 
 def chunk_scores_plan(B, C, scores, block_m, block_k, dstate_tile, load_lat=0):
-    """(grid, kernel, args) filling ``scores`` (from ``new_scores``) with C B^T per chunk and
-    group, in (block_m, block_k) tiles (those compute_out reads them in)."""
+    """The ``Plan`` filling ``scores`` (from ``new_scores``, its one output) with C B^T per chunk
+    and group, in (block_m, block_k) tiles (those compute_out reads them in)."""
     batch, _, ngroups, dstate = B.shape
     nchunks, chunk_size = scores.shape[1], scores.shape[3]
     if chunk_size % block_m or chunk_size % block_k or dstate % dstate_tile:
@@ -82,4 +79,4 @@ def chunk_scores_plan(B, C, scores, block_m, block_k, dstate_tile, load_lat=0):
                          f"chunk ({chunk_size}) and dstate ({dstate})")
     args = (B, C, scores, chunk_size, block_m, block_k, dstate, dstate_tile, load_lat)
     grid = (nchunks * (chunk_size // block_m) * (chunk_size // block_k), ngroups, batch)
-    return grid, fit_index_width(chunk_scores_kernel, args), args
+    return Plan(grid, fit_index_width(chunk_scores_kernel, args), args, (scores,))

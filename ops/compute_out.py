@@ -47,17 +47,18 @@ Layouts
     segments rather than gathers with a stride of nheads.
 
 Sharing C B^T between heads (HEADS_PER_BLOCK)
-    C B^T does not depend on the head, only on its group, yet the one-head kernel recomputes
-    it for every head: nheads / ngroups times (80x for a 2.7B layer). At dstate 256 that
-    product is about twice the rest of the block's arithmetic. ``compute_out_heads_kernel``
-    gives a block HEADS_PER_BLOCK (HB) consecutive heads of one group: it forms each
-    (BLOCK_M, BLOCK_K) C B^T tile once and uses it for the HB heads through 3-d tiles with the
-    heads as a leading batch axis -- the weights (HB, BLOCK_M, BLOCK_K), x columns
-    (HB, BLOCK_K, BLOCK_P) and the accumulator (HB, BLOCK_M, BLOCK_P) -- and batched
-    ``ct.mma``s. Neighbouring heads are adjacent in x's (batch, seqlen, nheads, headdim) layout
-    (and in the entry states' and dt's), so their tiles are read with one load each, whose
-    ``order=`` puts the heads axis first. The grid shrinks by HB; each block does ~HB times the
-    work with one C B^T instead of HB.
+    C B^T does not depend on the head, only on its group, yet with one head per block it is
+    recomputed for every head: nheads / ngroups times (80x for a 2.7B layer). At dstate 256
+    that product is about twice the rest of the block's arithmetic. HEADS_PER_BLOCK (HB) > 1
+    gives a block HB consecutive heads of one group: it forms each (BLOCK_M, BLOCK_K) C B^T tile
+    once and uses it for the HB heads through 3-d tiles with the heads as a leading axis -- the
+    weights (HB, BLOCK_M, BLOCK_K), x columns (HB, BLOCK_K, BLOCK_P) and the accumulator
+    (HB, BLOCK_M, BLOCK_P) -- and one 2-d ``ct.mma`` per head. Neighbouring heads are adjacent
+    in x's (batch, seqlen, nheads, headdim) layout (and in the entry states' and dt's), so their
+    tiles are read with one load each, whose ``order=`` puts the heads axis first. The grid
+    shrinks by HB; each block does ~HB times the work with one C B^T instead of HB. It is one
+    kernel either way: HB is a constant, and the helpers below give 2-d tiles for one head
+    (exactly the code a one-head kernel would have) and 3-d ones for several.
 
 Operand order (SWAP)
     ``SWAP=True`` computes every product transposed: C B^T as B_cols @ C_rows^T, the
@@ -78,8 +79,8 @@ Persistent blocks (PERSISTENT)
 
 C B^T from memory (SCORES_IN_MEMORY)
     Instead of forming each C B^T tile in registers, the block loads it from a buffer that
-    ``ops/chunk_scores.py`` fills beforehand, once per chunk and group (``prerequisites`` gives
-    that launch; ``compute_out`` makes it). The column loop then has one product instead of two.
+    ``ops/chunk_scores.py`` fills beforehand, once per chunk and group (the plan's ``before``
+    holds that launch; ``ops.launch.run`` makes it first). The column loop then has one product instead of two.
 
 Tunables (``default_config`` / ``search_space``)
     Tiles (BLOCK_M, BLOCK_K, BLOCK_P, DSTATE_TILE), HEADS_PER_BLOCK, SWAP, SCORES_IN_MEMORY,
@@ -93,33 +94,28 @@ Precision
     products (as in mamba_ssm), all accumulation is float32. float32 inputs: float32 operands
     throughout (full float32 products, not tf32).
 """
-import math
-
 import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import _esize, latency_hint, new_output, resolve_config, unique, with_hints
 from .chunk_scores import chunk_scores_plan, new_scores
-from .fwd_pass_state import check_sizes
-from .launch import fit_index_width, launch
-
-ConstInt = ct.Constant[int]
-ConstBool = ct.Constant[bool]
-ZERO = ct.PaddingMode.ZERO
-NEG_INF = -math.inf
+from .configs import resolve_config, unique, with_hints
+from .launch import Plan, fit_index_width, run
+from .utils import (NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups, check_sizes,
+                    element_size, latency_hint, multiprocessors, new_output)
 
 
-# Blocks resident per multiprocessor. This kernel is latency-bound (each column tile is a chain
-# load -> product -> exp2 -> product), so several blocks per multiprocessor must overlap: at
-# 128K tokens (h=80, p=64, n=128, bf16) 64-row tiles took 10.9 ms with the compiler's default,
-# 5.8 ms at 2 and 4.6 ms at 3 blocks per multiprocessor on an H200. Other targets: the default.
-# (A config's ``occupancy`` replaces this hint on every target.)
-OCCUPANCY = ct.ByTarget(sm_90=3)
+# Blocks resident per multiprocessor with one head per block, unless the config says otherwise.
+# This kernel is latency-bound (each column tile is a chain load -> product -> exp2 -> product),
+# so several blocks per multiprocessor must overlap: at 128K tokens (h=80, p=64, n=128, bf16)
+# 64-row tiles took 10.9 ms with the compiler's default, 5.8 ms at 2 and 4.6 ms at 3 blocks per
+# multiprocessor on an H200. Other targets, and several heads per block: the compiler's choice.
+ONE_HEAD_OCCUPANCY = ct.ByTarget(sm_90=3)
 
 
-# Helpers called from the kernels. Plain functions are compiled into the kernel that calls them;
-# their Constant arguments stay compile-time constants.
+# Helpers called from the kernel. Plain functions are compiled into the kernel that calls them;
+# their Constant arguments stay compile-time constants. With HB (HEADS_PER_BLOCK) == 1 every
+# per-head tile is two-dimensional; with HB > 1 it gets a leading axis of HB heads.
 
 def along_rows(v, SWAP):
     """A per-output-row (token l) vector, shaped to broadcast over the product tiles: the rows
@@ -141,13 +137,126 @@ def rows_by_cols(rows_op, cols_op, acc, SWAP):
     return ct.mma(rows_op, ct.transpose(cols_op), acc)
 
 
+def head(t, i):
+    """Head i of an (HB, m, n) tile, as an (m, n) tile."""
+    _, m, n = t.shape
+    return ct.reshape(ct.extract(t, (i, 0, 0), shape=(1, m, n)), (m, n))
+
+
+def per_head_mma(a, b, acc, HB, SHARED_A, TRANSPOSE_A):
+    """acc[i] + a[i] @ b[i] for every head i < HB (``SHARED_A``: ``a`` is one 2-d tile used for
+    every head; ``TRANSPOSE_A``: use a[i]^T). For one head, a plain 2-d product.
+
+    One batched (3-d) ``ct.mma`` computes the same, but for sm_90 the compiler lowers batched
+    products to warp-level mma.sync, while two-dimensional ones become warpgroup wgmma. So the
+    heads are HB two-dimensional products: the loop has a constant trip count and is unrolled
+    (for sm_90 this compiles to HGMMA, where the batched form gave HMMA)."""
+    if HB == 1:
+        acc = ct.mma(ct.transpose(a) if TRANSPOSE_A else a, b, acc)
+    else:
+        _, m, n = acc.shape
+        for i in range(HB):
+            a_i = a if SHARED_A else head(a, i)
+            if TRANSPOSE_A:
+                a_i = ct.transpose(a_i)
+            acc_i = ct.mma(a_i, head(b, i), head(acc, i))
+            acc = ct.insert(acc, (i, 0, 0), ct.reshape(acc_i, (1, m, n)))
+    return acc
+
+
+def state_product(c_rows, state, acc, HB, SWAP):
+    """acc + C_rows @ state^T for every head: c_rows (BLOCK_M, K), state (BLOCK_P, K) or
+    (HB, BLOCK_P, K) -> the accumulator's (BLOCK_M, BLOCK_P) or (HB, BLOCK_M, BLOCK_P). With SWAP
+    and several heads the transposed product state @ C_rows^T is ONE 2-d product,
+    (HB * BLOCK_P, K) @ (K, BLOCK_M): the heads simply stack as more rows."""
+    if HB == 1:
+        acc = rows_by_cols(c_rows, state, acc, SWAP)
+    elif SWAP:
+        _, bp, k = state.shape
+        bm = c_rows.shape[0]
+        flat = ct.mma(ct.reshape(state, (HB * bp, k)), ct.transpose(c_rows),
+                      ct.reshape(acc, (HB * bp, bm)))
+        acc = ct.reshape(flat, (HB, bp, bm))
+    else:
+        acc = per_head_mma(c_rows, ct.permute(state, (0, 2, 1)), acc, HB, True, False)
+    return acc
+
+
+def head_tokens(array, b, hb, c, j, HB, N):
+    """Tile j (N tokens) of chunk c of heads hb * HB .. hb * HB + HB - 1 of a (batch, nheads,
+    nchunks, CHUNK) array such as dA_cumsum: (N,) for one head, (HB, N) for several. The heads'
+    runs are contiguous segments of that layout."""
+    t = ct.load(array, (b, hb, c, j), shape=(1, HB, 1, N))
+    return ct.reshape(t, (N,) if HB == 1 else (HB, N))
+
+
+def load_tokens(array, b, index, hb, pi, HB, BLOCK_T, BLOCK_P, SWAP, LOAD_LAT):
+    """BLOCK_T tokens (tile ``index`` of the sequence) x BLOCK_P headdim columns of the HB heads
+    of a (batch, seqlen, nheads, headdim) array: (BLOCK_T, BLOCK_P), or (BLOCK_P, BLOCK_T) with
+    SWAP, with a leading axis of HB heads when HB > 1. order= views the array with the heads
+    axis first ((batch, nheads, seqlen, headdim), or (batch, nheads, headdim, seqlen)), so one
+    load brings all HB heads, each already as the matrix the product or the epilogue wants."""
+    lat = latency_hint(LOAD_LAT)
+    if SWAP:
+        t = ct.load(array, (b, hb, pi, index), shape=(1, HB, BLOCK_P, BLOCK_T),
+                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=lat)
+        tile = ct.reshape(t, (BLOCK_P, BLOCK_T) if HB == 1 else (HB, BLOCK_P, BLOCK_T))
+    elif HB == 1:
+        t = ct.load(array, (b, index, hb, pi), shape=(1, BLOCK_T, 1, BLOCK_P), padding_mode=ZERO,
+                    latency=lat)
+        tile = ct.reshape(t, (BLOCK_T, BLOCK_P))
+    else:
+        t = ct.load(array, (b, hb, index, pi), shape=(1, HB, BLOCK_T, BLOCK_P),
+                    order=(0, 2, 1, 3), padding_mode=ZERO, latency=lat)
+        tile = ct.reshape(t, (HB, BLOCK_T, BLOCK_P))
+    return tile
+
+
+def store_tokens(out, b, index, hb, pi, tile, HB, BLOCK_T, BLOCK_P, SWAP, STORE_LAT):
+    """Write ``tile`` (in ``load_tokens``' orientation) as BLOCK_T tokens of the HB heads, through
+    the same views as the loads. Rows past seqlen fall outside the array and are dropped."""
+    lat = latency_hint(STORE_LAT)
+    if SWAP:
+        ct.store(out, (b, hb, pi, index), ct.reshape(tile, (1, HB, BLOCK_P, BLOCK_T)),
+                 order=(0, 2, 3, 1), latency=lat)
+    elif HB == 1:
+        ct.store(out, (b, index, hb, pi), ct.reshape(tile, (1, BLOCK_T, 1, BLOCK_P)), latency=lat)
+    else:
+        ct.store(out, (b, hb, index, pi), ct.reshape(tile, (1, HB, BLOCK_T, BLOCK_P)),
+                 order=(0, 2, 1, 3), latency=lat)
+
+
+def load_states(entry_states, b, c, hb, pi, k, dtype, HB, BLOCK_P, WIDTH, LOAD_LAT):
+    """Slice k (WIDTH dstate columns) of the HB heads' entry states of chunk c, in ``dtype``:
+    (BLOCK_P, WIDTH), or (HB, BLOCK_P, WIDTH); the heads are adjacent in (batch, nchunks,
+    nheads, headdim, dstate)."""
+    t = ct.load(entry_states, (b, c, hb, pi, k), shape=(1, 1, HB, BLOCK_P, WIDTH),
+                latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (BLOCK_P, WIDTH) if HB == 1 else (HB, BLOCK_P, WIDTH)).astype(dtype)
+
+
+def skip_factor(D, hb, pi, HB, BLOCK_P, D_HAS_HDIM, SWAP):
+    """D of the HB heads as float32, shaped to multiply the accumulator's x rows: one value per
+    head, or one per head and headdim column (D_HAS_HDIM)."""
+    if D_HAS_HDIM:
+        d = ct.load(D, (hb, pi), shape=(HB, BLOCK_P))
+        if HB == 1:
+            d = ct.reshape(d, (BLOCK_P,))
+        factor = along_cols(d.astype(ct.float32), SWAP)
+    elif HB == 1:
+        factor = ct.load(D, (hb,), shape=()).astype(ct.float32)
+    else:
+        factor = ct.load(D, (hb,), shape=(HB,)).astype(ct.float32)[:, None, None]
+    return factor
+
+
 def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BLOCK_K, DSTATE,
             DSTATE_TILE, SWAP, SCORES_IN_MEMORY, LOAD_LAT):
     """C_rows @ B_cols^T for row tile m and column tile j of chunk c (group g), float32,
-    (BLOCK_M, BLOCK_K) or transposed with SWAP. With SCORES_IN_MEMORY it is loaded from the
-    buffer chunk_scores filled (through a transposing order= with SWAP); otherwise it is formed
-    on the tensor cores, from the resident C rows when dstate is one slice (``c_rows``; None
-    otherwise), else slice by slice."""
+    (BLOCK_M, BLOCK_K) or transposed with SWAP; shared by the block's heads. With
+    SCORES_IN_MEMORY it is loaded from the buffer chunk_scores filled (through a transposing
+    order= with SWAP); otherwise it is formed on the tensor cores, from the resident C rows when
+    dstate is one slice (``c_rows``; None otherwise), else slice by slice."""
     lat = latency_hint(LOAD_LAT)
     if SCORES_IN_MEMORY:
         if SWAP:
@@ -179,19 +288,14 @@ def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BL
     return cb
 
 
-def load_rows(array, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT):
-    """BLOCK_M tokens x BLOCK_P headdim columns of head h of a (batch, seqlen, nheads, headdim)
-    array, as float32, in the accumulator's orientation ((BLOCK_P, BLOCK_M) with SWAP)."""
-    if SWAP:
-        t = ct.load(array, (b, h, pi, row_tile), shape=(1, 1, BLOCK_P, BLOCK_M),
-                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
-        return ct.reshape(t, (BLOCK_P, BLOCK_M)).astype(ct.float32)
-    t = ct.load(array, (b, row_tile, h, pi), shape=(1, BLOCK_M, 1, BLOCK_P), padding_mode=ZERO,
+def load_c_rows(C, b, row_tile, g, k, BLOCK_M, WIDTH, LOAD_LAT):
+    """Slice k (WIDTH dstate columns) of the block's BLOCK_M rows of C: (BLOCK_M, WIDTH)."""
+    t = ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, WIDTH), padding_mode=ZERO,
                 latency=latency_hint(LOAD_LAT))
-    return ct.reshape(t, (BLOCK_M, BLOCK_P)).astype(ct.float32)
+    return ct.reshape(t, (BLOCK_M, WIDTH))
 
 
-@ct.kernel(occupancy=OCCUPANCY)
+@ct.kernel
 def compute_out_kernel(
     x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
     B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
@@ -220,71 +324,76 @@ def compute_out_kernel(
     SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
     LOAD_LAT: ConstInt,                 # latency hint of the x, B, C, z, state loads; 0 = none
     STORE_LAT: ConstInt,                # latency hint of the output store; 0 = none
+    HEADS_PER_BLOCK: ConstInt,          # HB heads of one group per block (divides heads_per_group)
     PERSISTENT: ConstBool,              # a fixed grid of blocks, each looping over tiles
 ):
-    """One (row tile, p tile, head) per block, or with PERSISTENT as many blocks as fit
-    on the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
+    """One (row tile, p tile, head block) per block, or with PERSISTENT as many blocks as fit on
+    the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
     # Arrays that grow with the sequence are IndexedWithInt64 so that element offsets past
     # 2**31 (x of a 512K-token sequence already has more elements than that) are computed in
     # 64 bits; below that, ops.launch runs a 32-bit-indexed twin of this kernel.
     if PERSISTENT:
-        total = x.shape[2] * ct.cdiv(x.shape[3], BLOCK_P) * ct.cdiv(x.shape[1], BLOCK_M)
+        total = (head_blocks(x, HEADS_PER_BLOCK) * ct.cdiv(x.shape[3], BLOCK_P)
+                 * ct.cdiv(x.shape[1], BLOCK_M))
         for tile_id in range(ct.bid(0), total, ct.num_blocks(0)):
-            one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
-                          scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
-                          DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP,
-                          SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT)
+            output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
+                        scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
+                        DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP,
+                        SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK)
     else:
-        one_head_tile(ct.bid(0), x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
-                      scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
-                      DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY,
-                      LOAD_LAT, STORE_LAT)
+        output_tile(ct.bid(0), x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
+                    scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
+                    DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY,
+                    LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK)
 
 
-def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
-                  heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
-                  D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT):
-    """The work of one tile of compute_out_kernel (its body, for one ``tile_id``)."""
-    nheads = x.shape[2]
+def head_blocks(x, HB):
+    """How many blocks of HB heads x's heads make."""
+    return x.shape[2] if HB == 1 else x.shape[2] // HB
+
+
+def output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
+                heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
+                D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT, HB):
+    """The work of one tile of compute_out_kernel (its body, for one ``tile_id``): BLOCK_M rows
+    of one chunk, BLOCK_P headdim columns, HB heads. What does not depend on the head (C, B,
+    C B^T, the masks) is computed once for the HB heads (see "Sharing C B^T between heads")."""
+    n_hblocks = head_blocks(x, HB)
     n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
     b = ct.bid(1)
-    h = tile_id % nheads                 # heads vary fastest (see "The grid")
-    pi = (tile_id // nheads) % n_ptiles
-    row_tile = tile_id // (nheads * n_ptiles)   # BLOCK_M-row tile of the whole sequence
+    hb = tile_id % n_hblocks             # head blocks vary fastest (see "The grid")
+    pi = (tile_id // n_hblocks) % n_ptiles
+    row_tile = tile_id // (n_hblocks * n_ptiles)   # BLOCK_M-row tile of the whole sequence
     c = row_tile // (CHUNK // BLOCK_M)   # its chunk ...
     m = row_tile % (CHUNK // BLOCK_M)    # ... and its place in the chunk
-    g = h // heads_per_group
+    g = hb // heads_per_group if HB == 1 else (hb * HB) // heads_per_group
     seqlen = x.shape[1]
     NK = DSTATE // DSTATE_TILE          # number of dstate slices (a constant)
     cdtype = C.dtype                     # operand dtype of the C products
-    lat = latency_hint(LOAD_LAT)
 
-    dA_rows = ct.reshape(ct.load(dA_cumsum, (b, h, c, m), shape=(1, 1, 1, BLOCK_M)), (BLOCK_M,))
+    dA_rows = head_tokens(dA_cumsum, b, hb, c, m, HB, BLOCK_M)       # (BLOCK_M,) / (HB, BLOCK_M)
     rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)          # positions in the chunk
 
-    # 1. The entry state read through C: (BLOCK_M, dstate) @ (dstate, BLOCK_P).
+    # 1. The entry state read through C: (BLOCK_M, dstate) @ (dstate, BLOCK_P) for each head.
     #    (With SWAP, every (BLOCK_M, BLOCK_P) tile below is held transposed.)
     if SWAP:
-        acc = ct.zeros((BLOCK_P, BLOCK_M), dtype=ct.float32)
+        acc = ct.zeros((BLOCK_P, BLOCK_M) if HB == 1 else (HB, BLOCK_P, BLOCK_M),
+                       dtype=ct.float32)
     else:
-        acc = ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32)
+        acc = ct.zeros((BLOCK_M, BLOCK_P) if HB == 1 else (HB, BLOCK_M, BLOCK_P),
+                       dtype=ct.float32)
     if NK == 1:
         # C rows stay in registers for the whole block (reused by every CB product below).
-        c_rows = ct.reshape(ct.load(C, (b, row_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
-                                    padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE))
-        state = ct.load(entry_states, (b, c, h, pi, 0), shape=(1, 1, 1, BLOCK_P, DSTATE),
-                        latency=lat)
-        state = ct.reshape(state, (BLOCK_P, DSTATE)).astype(cdtype)
-        acc = rows_by_cols(c_rows, state, acc, SWAP)
+        c_rows = load_c_rows(C, b, row_tile, g, 0, BLOCK_M, DSTATE, LOAD_LAT)
+        state = load_states(entry_states, b, c, hb, pi, 0, cdtype, HB, BLOCK_P, DSTATE, LOAD_LAT)
+        acc = state_product(c_rows, state, acc, HB, SWAP)
     else:
         c_rows = None                    # C is read slice by slice, also in the products below
         for k in range(NK):
-            c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
-                                     padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
-            state = ct.load(entry_states, (b, c, h, pi, k), shape=(1, 1, 1, BLOCK_P, DSTATE_TILE),
-                            latency=lat)
-            state = ct.reshape(state, (BLOCK_P, DSTATE_TILE)).astype(cdtype)
-            acc = rows_by_cols(c_k, state, acc, SWAP)
+            c_k = load_c_rows(C, b, row_tile, g, k, BLOCK_M, DSTATE_TILE, LOAD_LAT)
+            state = load_states(entry_states, b, c, hb, pi, k, cdtype, HB, BLOCK_P, DSTATE_TILE,
+                                LOAD_LAT)
+            acc = state_product(c_k, state, acc, HB, SWAP)
 
     row_scale = ct.exp2(dA_rows)
     if HAS_SEQ_IDX:
@@ -302,15 +411,13 @@ def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_i
     n_cols = min(ct.cdiv((m + 1) * BLOCK_M, BLOCK_K), ct.cdiv(seqlen - c * CHUNK, BLOCK_K))
     for j in range(n_cols):
         col_tile = c * (CHUNK // BLOCK_K) + j       # BLOCK_K-token tile of the whole sequence
-        # cb = C_rows @ B_cols^T, (BLOCK_M, BLOCK_K) (transposed with SWAP).
+        # cb = C_rows @ B_cols^T, (BLOCK_M, BLOCK_K) (transposed with SWAP), once for all heads.
         cb = cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BLOCK_K,
                      DSTATE, DSTATE_TILE, SWAP, SCORES_IN_MEMORY, LOAD_LAT)
-
-        dA_cols = ct.reshape(ct.load(dA_cumsum, (b, h, c, j), shape=(1, 1, 1, BLOCK_K)),
-                             (BLOCK_K,))
-        dt_cols = ct.reshape(ct.load(dt_out, (b, h, c, j), shape=(1, 1, 1, BLOCK_K)), (BLOCK_K,))
+        dA_cols = head_tokens(dA_cumsum, b, hb, c, j, HB, BLOCK_K)
+        dt_cols = head_tokens(dt_out, b, hb, c, j, HB, BLOCK_K)
         cols = j * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
-        keep = along_rows(rows, SWAP) >= along_cols(cols, SWAP)
+        keep = along_rows(rows, SWAP) >= along_cols(cols, SWAP)          # shared by the heads
         if HAS_SEQ_IDX:
             seq_cols = ct.reshape(ct.load(seq_idx, (b, col_tile), shape=(1, BLOCK_K),
                                           padding_mode=ZERO), (BLOCK_K,))
@@ -320,254 +427,25 @@ def one_head_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_i
                                          0.0), NEG_INF)
         weights = (cb * ct.exp2(expo) * along_cols(dt_cols, SWAP)).astype(x.dtype)
 
-        x_cols = ct.reshape(ct.load(x, (b, col_tile, h, pi), shape=(1, BLOCK_K, 1, BLOCK_P),
-                                    padding_mode=ZERO, latency=lat), (BLOCK_K, BLOCK_P))
-        if SWAP:
-            acc = ct.mma(ct.transpose(x_cols), weights, acc)    # (P, K) @ (K, M)
-        else:
-            acc = ct.mma(weights, x_cols, acc)                  # (M, K) @ (K, P)
-
-    # 3. Skip connection and gate, in float32.
-    if HAS_D:
-        x_rows = load_rows(x, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT)
-        if D_HAS_HDIM:
-            d = ct.reshape(ct.load(D, (h, pi), shape=(1, BLOCK_P)), (BLOCK_P,)).astype(ct.float32)
-            acc = acc + x_rows * along_cols(d, SWAP)
-        else:
-            d = ct.load(D, (h,), shape=()).astype(ct.float32)
-            acc = acc + x_rows * d
-    if HAS_Z:
-        z_rows = load_rows(z, b, row_tile, h, pi, BLOCK_M, BLOCK_P, SWAP, LOAD_LAT)
-        # silu(z) = z * sigmoid(z); for z -> -inf, exp(-z) -> inf and the product -> 0 (no NaN).
-        acc = acc * (z_rows / (1.0 + ct.exp(-z_rows)))
-
-    # Rows past seqlen fall outside the array and are dropped by the store. A transposed
-    # accumulator is written through order=(0, 2, 3, 1): out seen as (batch, nheads, headdim,
-    # seqlen), in which it is an ordinary (BLOCK_P, BLOCK_M) tile.
-    if SWAP:
-        ct.store(out, (b, h, pi, row_tile),
-                 ct.reshape(acc.astype(out.dtype), (1, 1, BLOCK_P, BLOCK_M)),
-                 order=(0, 2, 3, 1), latency=latency_hint(STORE_LAT))
-    else:
-        ct.store(out, (b, row_tile, h, pi),
-                 ct.reshape(acc.astype(out.dtype), (1, BLOCK_M, 1, BLOCK_P)),
-                 latency=latency_hint(STORE_LAT))
-
-
-# HEADS_PER_BLOCK > 1 -------------------------------------------------------------------------
-
-def load_head_rows(array, b, index, hb, pi, HB, BLOCK_T, BLOCK_P, SWAP, LOAD_LAT):
-    """BLOCK_T tokens (tile ``index`` of the sequence) x BLOCK_P headdim columns of heads
-    hb * HB .. hb * HB + HB - 1 of a (batch, seqlen, nheads, headdim) array: (HB, BLOCK_T,
-    BLOCK_P), or (HB, BLOCK_P, BLOCK_T) with SWAP. order= views the array with the heads axis
-    first ((batch, nheads, seqlen, headdim), or (batch, nheads, headdim, seqlen)), so one load
-    brings all HB heads, each already as the matrix the product or the epilogue wants."""
-    if SWAP:
-        t = ct.load(array, (b, hb, pi, index), shape=(1, HB, BLOCK_P, BLOCK_T),
-                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
-        return ct.reshape(t, (HB, BLOCK_P, BLOCK_T))
-    t = ct.load(array, (b, hb, index, pi), shape=(1, HB, BLOCK_T, BLOCK_P),
-                order=(0, 2, 1, 3), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
-    return ct.reshape(t, (HB, BLOCK_T, BLOCK_P))
-
-
-def head(t, i):
-    """Head i of an (HB, m, n) tile, as an (m, n) tile."""
-    _, m, n = t.shape
-    return ct.reshape(ct.extract(t, (i, 0, 0), shape=(1, m, n)), (m, n))
-
-
-def per_head_mma(a, b, acc, HB, SHARED_A, TRANSPOSE_A):
-    """acc[i] + a[i] @ b[i] for every head i < HB, as HB two-dimensional products.
-
-    One batched (3-d) ``ct.mma`` computes the same, but for sm_90 the compiler lowers batched
-    products to warp-level mma.sync, while two-dimensional ones become warpgroup wgmma. The
-    loop has a constant trip count and is unrolled (for sm_90 this compiles to HGMMA, where the
-    batched form gave HMMA). ``SHARED_A``: ``a`` is one 2-d tile used for every head;
-    ``TRANSPOSE_A``: use a[i]^T."""
-    _, m, n = acc.shape
-    for i in range(HB):
-        a_i = a if SHARED_A else head(a, i)
-        if TRANSPOSE_A:
-            a_i = ct.transpose(a_i)
-        acc_i = ct.mma(a_i, head(b, i), head(acc, i))
-        acc = ct.insert(acc, (i, 0, 0), ct.reshape(acc_i, (1, m, n)))
-    return acc
-
-
-def heads_state_product(c_rows, state, acc, HB, SWAP):
-    """acc + C_rows @ state^T for every head: c_rows (BLOCK_M, K), state (HB, BLOCK_P, K) ->
-    (HB, BLOCK_M, BLOCK_P). With SWAP the transposed product state @ C_rows^T is ONE 2-d
-    product, (HB * BLOCK_P, K) @ (K, BLOCK_M): the heads simply stack as more rows."""
-    _, bp, k = state.shape
-    bm = c_rows.shape[0]
-    if SWAP:
-        flat = ct.mma(ct.reshape(state, (HB * bp, k)), ct.transpose(c_rows),
-                      ct.reshape(acc, (HB * bp, bm)))
-        return ct.reshape(flat, (HB, bp, bm))
-    return per_head_mma(c_rows, ct.permute(state, (0, 2, 1)), acc, HB, True, False)
-
-
-@ct.kernel
-def compute_out_heads_kernel(
-    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
-    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
-    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
-    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
-    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
-    entry_states: ct.IndexedWithInt64,  # (batch, nchunks, nheads, headdim, dstate)
-    D,                                  # (nheads,) or (nheads, headdim); unread if not HAS_D
-    z: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim); unread if not HAS_Z
-    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
-    out: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim), x's dtype
-    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T;
-                                        # unread if not SCORES_IN_MEMORY (ops/chunk_scores.py)
-    heads_per_group: int,
-    CHUNK: ConstInt,
-    BLOCK_M: ConstInt,
-    BLOCK_K: ConstInt,
-    BLOCK_P: ConstInt,
-    DSTATE: ConstInt,
-    DSTATE_TILE: ConstInt,
-    HAS_D: ConstBool,
-    D_HAS_HDIM: ConstBool,
-    HAS_Z: ConstBool,
-    HAS_SEQ_IDX: ConstBool,
-    SWAP: ConstBool,
-    SCORES_IN_MEMORY: ConstBool,
-    LOAD_LAT: ConstInt,
-    STORE_LAT: ConstInt,
-    HEADS_PER_BLOCK: ConstInt,          # HB heads of one group per block (divides heads_per_group)
-    PERSISTENT: ConstBool,              # a fixed grid of blocks, each looping over tiles
-):
-    """One (row tile, p tile, heads) per block, or with PERSISTENT as many blocks as fit
-    on the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
-    if PERSISTENT:
-        n_hblocks = x.shape[2] // HEADS_PER_BLOCK
-        total = n_hblocks * ct.cdiv(x.shape[3], BLOCK_P) * ct.cdiv(x.shape[1], BLOCK_M)
-        for tile_id in range(ct.bid(0), total, ct.num_blocks(0)):
-            heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
-                       scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
-                       DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY,
-                       LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK)
-    else:
-        heads_tile(ct.bid(0), x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
-                   heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
-                   D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT,
-                   HEADS_PER_BLOCK)
-
-
-def heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
-               heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
-               D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT,
-               HEADS_PER_BLOCK):
-    """The work of one tile of compute_out_heads_kernel (its body, for one ``tile_id``)."""
-    # The one-head kernel above, with every per-head quantity given a leading axis of
-    # HEADS_PER_BLOCK heads; what does not depend on the head (C, B, C B^T, the masks) is
-    # computed once. See "Sharing C B^T between heads".
-    HB = HEADS_PER_BLOCK
-    n_hblocks = x.shape[2] // HB
-    n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
-    b = ct.bid(1)
-    hb = tile_id % n_hblocks             # head blocks vary fastest (L2 reuse of B and C)
-    pi = (tile_id // n_hblocks) % n_ptiles
-    row_tile = tile_id // (n_hblocks * n_ptiles)
-    c = row_tile // (CHUNK // BLOCK_M)
-    m = row_tile % (CHUNK // BLOCK_M)
-    g = (hb * HB) // heads_per_group     # HB divides heads_per_group: one group for all HB
-    seqlen = x.shape[1]
-    NK = DSTATE // DSTATE_TILE
-    cdtype = C.dtype
-    lat = latency_hint(LOAD_LAT)
-
-    # dA of the HB heads' rows: HB contiguous segments of the (batch, nheads, L) layout.
-    dA_rows = ct.reshape(ct.load(dA_cumsum, (b, hb, c, m), shape=(1, HB, 1, BLOCK_M)),
-                         (HB, BLOCK_M))
-    rows = m * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)
-
-    # 1. Entry states: (HB, BLOCK_M, BLOCK_P), or (HB, BLOCK_P, BLOCK_M) with SWAP.
-    if SWAP:
-        acc = ct.zeros((HB, BLOCK_P, BLOCK_M), dtype=ct.float32)
-    else:
-        acc = ct.zeros((HB, BLOCK_M, BLOCK_P), dtype=ct.float32)
-    if NK == 1:
-        c_rows = ct.reshape(ct.load(C, (b, row_tile, g, 0), shape=(1, BLOCK_M, 1, DSTATE),
-                                    padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE))
-        # The HB heads' states are adjacent in (batch, nchunks, nheads, headdim, dstate).
-        state = ct.load(entry_states, (b, c, hb, pi, 0), shape=(1, 1, HB, BLOCK_P, DSTATE),
-                        latency=lat)
-        state = ct.reshape(state, (HB, BLOCK_P, DSTATE)).astype(cdtype)
-        acc = heads_state_product(c_rows, state, acc, HB, SWAP)
-    else:
-        c_rows = None                    # C is read slice by slice, also in the products below
-        for k in range(NK):
-            c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
-                                     padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
-            state = ct.load(entry_states, (b, c, hb, pi, k),
-                            shape=(1, 1, HB, BLOCK_P, DSTATE_TILE), latency=lat)
-            state = ct.reshape(state, (HB, BLOCK_P, DSTATE_TILE)).astype(cdtype)
-            acc = heads_state_product(c_k, state, acc, HB, SWAP)
-
-    row_scale = ct.exp2(dA_rows)                                     # (HB, BLOCK_M)
-    if HAS_SEQ_IDX:
-        seq_rows = ct.reshape(ct.load(seq_idx, (b, row_tile), shape=(1, BLOCK_M),
-                                      padding_mode=ZERO), (BLOCK_M,))
-        prev = ct.load(seq_idx, (b, max(c * CHUNK - 1, 0)), shape=())
-        prev = ct.where(c == 0, 0, prev)
-        row_scale = ct.where(seq_rows[None, :] == prev, row_scale, 0.0)
-    acc = acc * along_rows(row_scale, SWAP)
-
-    # 2. Inside the chunk.
-    n_cols = min(ct.cdiv((m + 1) * BLOCK_M, BLOCK_K), ct.cdiv(seqlen - c * CHUNK, BLOCK_K))
-    for j in range(n_cols):
-        col_tile = c * (CHUNK // BLOCK_K) + j
-        # C B^T: once for all HB heads.
-        cb = cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BLOCK_K,
-                     DSTATE, DSTATE_TILE, SWAP, SCORES_IN_MEMORY, LOAD_LAT)
-
-        dA_cols = ct.reshape(ct.load(dA_cumsum, (b, hb, c, j), shape=(1, HB, 1, BLOCK_K)),
-                             (HB, BLOCK_K))
-        dt_cols = ct.reshape(ct.load(dt_out, (b, hb, c, j), shape=(1, HB, 1, BLOCK_K)),
-                             (HB, BLOCK_K))
-        cols = j * BLOCK_K + ct.arange(BLOCK_K, dtype=ct.int32)
-        keep = along_rows(rows, SWAP) >= along_cols(cols, SWAP)          # shared by the heads
-        if HAS_SEQ_IDX:
-            seq_cols = ct.reshape(ct.load(seq_idx, (b, col_tile), shape=(1, BLOCK_K),
-                                          padding_mode=ZERO), (BLOCK_K,))
-            keep = keep & (along_rows(seq_rows, SWAP) == along_cols(seq_cols, SWAP))
-        expo = ct.where(keep, ct.minimum(along_rows(dA_rows, SWAP) - along_cols(dA_cols, SWAP),
-                                         0.0), NEG_INF)                   # (HB, M, K) / (HB, K, M)
-        weights = (cb * ct.exp2(expo) * along_cols(dt_cols, SWAP)).astype(x.dtype)
-
-        x_cols = load_head_rows(x, b, col_tile, hb, pi, HB, BLOCK_K, BLOCK_P, False, LOAD_LAT)
+        x_cols = load_tokens(x, b, col_tile, hb, pi, HB, BLOCK_K, BLOCK_P, False, LOAD_LAT)
         if SWAP:
             acc = per_head_mma(x_cols, weights, acc, HB, False, True)    # (P, K) @ (K, M)
         else:
             acc = per_head_mma(weights, x_cols, acc, HB, False, False)   # (M, K) @ (K, P)
 
-    # 3. Skip connection and gate.
+    # 3. Skip connection and gate, in float32.
     if HAS_D:
-        x_rows = load_head_rows(x, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
-                                LOAD_LAT).astype(ct.float32)
-        if D_HAS_HDIM:
-            d = ct.load(D, (hb, pi), shape=(HB, BLOCK_P)).astype(ct.float32)
-            acc = acc + x_rows * along_cols(d, SWAP)
-        else:
-            d = ct.load(D, (hb,), shape=(HB,)).astype(ct.float32)
-            acc = acc + x_rows * d[:, None, None]
+        x_rows = load_tokens(x, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
+                             LOAD_LAT).astype(ct.float32)
+        acc = acc + x_rows * skip_factor(D, hb, pi, HB, BLOCK_P, D_HAS_HDIM, SWAP)
     if HAS_Z:
-        z_rows = load_head_rows(z, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
-                                LOAD_LAT).astype(ct.float32)
+        z_rows = load_tokens(z, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
+                             LOAD_LAT).astype(ct.float32)
+        # silu(z) = z * sigmoid(z); for z -> -inf, exp(-z) -> inf and the product -> 0 (no NaN).
         acc = acc * (z_rows / (1.0 + ct.exp(-z_rows)))
 
-    # The HB heads' rows are written through the same heads-first views as the loads.
-    result = acc.astype(out.dtype)
-    if SWAP:
-        ct.store(out, (b, hb, pi, row_tile), ct.reshape(result, (1, HB, BLOCK_P, BLOCK_M)),
-                 order=(0, 2, 3, 1), latency=latency_hint(STORE_LAT))
-    else:
-        ct.store(out, (b, hb, row_tile, pi), ct.reshape(result, (1, HB, BLOCK_M, BLOCK_P)),
-                 order=(0, 2, 1, 3), latency=latency_hint(STORE_LAT))
+    store_tokens(out, b, row_tile, hb, pi, acc.astype(out.dtype), HB, BLOCK_M, BLOCK_P, SWAP,
+                 STORE_LAT)
 
 
 # Configs and launching -------------------------------------------------------------------------
@@ -575,8 +453,9 @@ def heads_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx,
 def pick_tiles(chunk_size, headdim, dstate, block_m=None, block_k=None, block_p=None,
                dstate_tile=None):
     """Defaults for an H200: 64-row and 64-column tiles, the whole headdim, dstate up to 128
-    in one slice. With 3 blocks per multiprocessor (OCCUPANCY), 64 x 64 measured fastest
-    (4.6 ms at 128K tokens, h=80, p=64, n=128, bf16; 128 x 64 at its best occupancy, 2: 5.5 ms).
+    in one slice. With 3 blocks per multiprocessor (ONE_HEAD_OCCUPANCY), 64 x 64 measured
+    fastest (4.6 ms at 128K tokens, h=80, p=64, n=128, bf16; 128 x 64 at its best occupancy,
+    2: 5.5 ms).
     Every tile dimension is a power of two no larger than what it tiles."""
     bm = min(block_m or 64, chunk_size)
     bk = min(block_k or 64, chunk_size)
@@ -587,7 +466,7 @@ def pick_tiles(chunk_size, headdim, dstate, block_m=None, block_k=None, block_p=
 
 def default_config(*, chunk_size, headdim, dstate, **_):
     """Today's kernel: ``pick_tiles``' tiles, one head per block, natural operand order, no
-    latency hints, the kernel's own occupancy hint (3 on sm_90)."""
+    latency hints, 3 blocks per multiprocessor on sm_90 (``occupancy_hint``)."""
     bm, bk, bp, dtile = pick_tiles(chunk_size, headdim, dstate)
     return dict(BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, DSTATE_TILE=dtile, HEADS_PER_BLOCK=1, INDEX64=False,
                 SWAP=False, SCORES_IN_MEMORY=False, PERSISTENT=False, LOAD_LAT=0, STORE_LAT=0,
@@ -602,7 +481,7 @@ def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
     resident (one dstate slice). Shared memory: the tensor-core operands of one column step
     (B and x columns) twice (the next step's loads in flight), plus the C rows and the states."""
     hb, bm, bk, bp = (cfg[k] for k in ("HEADS_PER_BLOCK", "BLOCK_M", "BLOCK_K", "BLOCK_P"))
-    dtile, es = cfg["DSTATE_TILE"], _esize(dtype)
+    dtile, es = cfg["DSTATE_TILE"], element_size(dtype)
     resident_c = bm * dtile * es // 4 if dtile == dstate else 0
     words = hb * bm * bp + hb * bm * bk + bm * bk + resident_c
     smem = es * (bm * dtile + hb * bp * dtile + 2 * (bk * dtile + hb * bk * bp))
@@ -612,6 +491,21 @@ def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
 REGISTER_WORDS = 64 * 1024     # 32-bit registers per multiprocessor (sm_80 .. sm_100)
 
 
+def occupancy_hint(cfg):
+    """The occupancy hint the kernel compiles with: the config's, else ``ONE_HEAD_OCCUPANCY``
+    (3 on sm_90) for one head per block, else none (the compiler's choice)."""
+    if cfg["occupancy"] is not None:
+        return cfg["occupancy"]
+    return ONE_HEAD_OCCUPANCY if cfg["HEADS_PER_BLOCK"] == 1 else None
+
+
+def resident_blocks(cfg):
+    """Blocks per multiprocessor a config is planned for (``fits``, the persistent grid): its
+    occupancy, else 3 for one head per block (the sm_90 hint), else 1 (the compiler's choice is
+    not known ahead, so the register budget assumes one)."""
+    return cfg["occupancy"] or (3 if cfg["HEADS_PER_BLOCK"] == 1 else 1)
+
+
 def fits(cfg, soft=False, **shape):
     """Prune what obviously cannot run: more than 32K float32 words of live tiles per block
     (128 KiB: 255 registers x 128 threads), ``occupancy`` blocks needing more than the
@@ -619,10 +513,9 @@ def fits(cfg, soft=False, **shape):
     memory. ``soft=True`` asks instead whether it runs WELL, keeping a quarter of the register
     file for operands in flight, addresses and temporaries: the default, 16K words at occupancy
     3, uses 168 registers and does not spill on sm_90, while two heads of 64 x 64 (24K words) at
-    occupancy 2 already spill a little. ``occupancy`` None counts as 3 for one head per block
-    (the kernel's own hint on sm_90) and as 1 otherwise."""
+    occupancy 2 already spill a little. Blocks per multiprocessor: ``resident_blocks``."""
     words, smem = block_footprint(cfg, **shape)
-    occ = cfg["occupancy"] or (3 if cfg["HEADS_PER_BLOCK"] == 1 else 1)
+    occ = resident_blocks(cfg)
     budget = REGISTER_WORDS * 3 // 4 if soft else REGISTER_WORDS
     return words <= 32 * 1024 and words * occ <= budget and smem <= 227 * 1024
 
@@ -723,8 +616,8 @@ def int64_fault(cfg):
     """Why ``cfg`` cannot run in the 64-bit-indexed kernel, or None. Several heads per block
     with 32-row tiles, or with eight worker warps, fault there (misaligned address, then a lost
     CUDA context) on an H200 with cuda-tile 1.7.0: seen at 256K tokens x dstate 512 and
-    reproduced at small size by tests/test_variants.py. The same configs run correctly with
-    32-bit indices."""
+    reproduced at small size by the variant tests (tests/test_compute_out.py). The same configs
+    run correctly with 32-bit indices."""
     if cfg.get("HEADS_PER_BLOCK", 1) == 1:
         return None
     if cfg.get("BLOCK_M") == 32:
@@ -737,7 +630,7 @@ def int64_fault(cfg):
 def needs_int64(*, batch=1, seqlen, chunk_size, headdim, dstate, nheads, ngroups=1, **_):
     """Whether some tensor of the call reaches 2**31 elements, so the kernel runs with 64-bit
     indices (``ops.launch.fit_index_width``): x / out, B / C, or the entry states."""
-    nchunks = -(-seqlen // chunk_size)
+    nchunks = cdiv(seqlen, chunk_size)
     sizes = (batch * seqlen * nheads * headdim, batch * seqlen * ngroups * dstate,
              batch * nchunks * nheads * headdim * dstate)
     return max(sizes) >= 2**31
@@ -746,17 +639,18 @@ def needs_int64(*, batch=1, seqlen, chunk_size, headdim, dstate, nheads, ngroups
 def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,
                      block_m=None, block_k=None, block_p=None, dstate_tile=None, poison=False,
                      config=None):
-    """Allocate the output and build (grid, kernel, args, out) without launching.
+    """Allocate the output and build the launch (an ``ops.launch.Plan``, outputs ``(out,)``)
+    without running it; with SCORES_IN_MEMORY its ``before`` holds the chunk_scores launch
+    that fills the C B^T buffer (in the same tiles).
 
     ``config``: a dict from ``search_space`` (or part of one; missing keys take
     ``default_config``'s values for this shape). ``block_*`` / ``dstate_tile``, when given,
-    override the config's tiles. The returned kernel is ``compute_out_kernel`` (one head per
-    block) or ``compute_out_heads_kernel``, carrying the config's compiler hints."""
+    override the config's tiles. The plan's kernel is ``compute_out_kernel`` (or its 32-bit
+    twin) with the config's compiler hints."""
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     check_sizes(headdim, dstate)
-    if nheads % ngroups:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
+    check_groups(nheads, ngroups)
     chunk_size = dt_out.shape[3]
     cfg = resolve_config(config, default_config(chunk_size=chunk_size, headdim=headdim,
                                                 dstate=dstate))
@@ -769,48 +663,35 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
                          f"{nheads // ngroups} heads of a group")
 
     out = new_output(x.shape, x.dtype, x.device, poison)
-    if seq_idx is not None and seq_idx.dtype != torch.int32:
-        seq_idx = seq_idx.to(torch.int32)
-    in_memory = bool(cfg["SCORES_IN_MEMORY"])
+    seq_idx = as_int32(seq_idx)
+    before = ()
+    if cfg["SCORES_IN_MEMORY"]:
+        scores = new_scores(B, chunk_size, poison)
+        before = (chunk_scores_plan(B, C, scores, bm, bk, dtile, load_lat=cfg["LOAD_LAT"]),)
     # Absent optional tensors are replaced by an input the compiled variant never reads.
     args = (x, B, C, dt_out, dA_cumsum, entry_states,
             D if D is not None else dA_cumsum,
             z if z is not None else x,
             seq_idx if seq_idx is not None else dt_out,
             out,
-            new_scores(B, chunk_size, poison) if in_memory else dA_cumsum,
+            scores if before else dA_cumsum,
             nheads // ngroups, chunk_size, bm, bk, bp, dstate, dtile,
             D is not None, D is not None and D.dim() == 2, z is not None, seq_idx is not None,
-            bool(cfg["SWAP"]), in_memory, cfg["LOAD_LAT"], cfg["STORE_LAT"])
-    if hb == 1:
-        kernel = compute_out_kernel
-    else:
-        kernel = compute_out_heads_kernel
-        args = args + (hb,)
-    args = args + (bool(cfg["PERSISTENT"]),)
-    tiles = (nheads // hb) * (-(-headdim // bp)) * (-(-seqlen // bm))
+            bool(cfg["SWAP"]), bool(before), cfg["LOAD_LAT"], cfg["STORE_LAT"], hb,
+            bool(cfg["PERSISTENT"]))
+    tiles = (nheads // hb) * cdiv(headdim, bp) * cdiv(seqlen, bm)
     if cfg["PERSISTENT"]:
-        # As many blocks as are resident at once (the occupancy the config asks for, or the
-        # kernel's own: 3 for one head on sm_90, else what two heads fit at): no tail wave.
-        resident = cfg["occupancy"] or (3 if hb == 1 else 2)
-        tiles = min(tiles, multiprocessors(x.device) * resident)
-    grid = (tiles, batch)
-    sized = fit_index_width(kernel, args, cfg["INDEX64"])
-    fault = int64_fault(cfg) if sized is kernel else None
+        # As many blocks as are resident at once: no tail wave.
+        tiles = min(tiles, multiprocessors(x.device) * resident_blocks(cfg))
+    sized = fit_index_width(compute_out_kernel, args, cfg["INDEX64"])
+    fault = int64_fault(cfg) if sized is compute_out_kernel else None
     if fault:
         raise ValueError(f"{fault} with HEADS_PER_BLOCK={hb} is not supported with 64-bit "
                          f"indexing (INDEX64, or a tensor of 2**31 elements or more): it faults "
                          f"on sm_90 (see int64_fault); use one head per block, or BLOCK_M=64 "
                          f"and the default worker warps")
-    return grid, with_hints(sized, cfg), args, out
-
-
-def multiprocessors(device):
-    """The GPU's multiprocessor count (132 on an H200); the same for CPU and meta tensors, so
-    the interpreter and the ahead-of-time compiler see the grid an H200 would."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    kernel = with_hints(sized, {**cfg, "occupancy": occupancy_hint(cfg)})
+    return Plan((tiles, batch), kernel, args, (out,), before)
 
 
 def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,
@@ -818,24 +699,6 @@ def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_id
     """-> out (b, L, h, p) in x's dtype. Inputs must be contiguous; dA_cumsum in log2 units.
     ``poison=True`` NaN-fills the output first (for tests). ``config`` picks a variant (see
     ``search_space``); None is ``default_config``."""
-    grid, kernel, args, out = compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D, z,
-                                               seq_idx, poison=poison, config=config)
-    for step in prerequisites(args):
-        launch(*step)
-    launch(grid, kernel, args)
+    out, = run(compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx,
+                                poison=poison, config=config))
     return out
-
-
-def prerequisites(args):
-    """The launches a compute_out plan's ``args`` need before it runs: with SCORES_IN_MEMORY,
-    the chunk_scores kernel filling the scores buffer (in the same tiles); otherwise none."""
-    if not args[_ARG_SCORES_IN_MEMORY]:
-        return []
-    B, C, scores = args[1], args[2], args[_ARG_SCORES]
-    bm, bk, dtile = args[_ARG_BLOCK_M], args[_ARG_BLOCK_K], args[_ARG_DSTATE_TILE]
-    return [chunk_scores_plan(B, C, scores, bm, bk, dtile, load_lat=args[_ARG_LOAD_LAT])]
-
-
-# Positions in the kernels' argument list (see compute_out_plan).
-_ARG_SCORES, _ARG_BLOCK_M, _ARG_BLOCK_K, _ARG_DSTATE_TILE = 10, 13, 14, 17
-_ARG_SCORES_IN_MEMORY, _ARG_LOAD_LAT = 23, 24

@@ -17,20 +17,23 @@ import math
 
 import torch
 
-from . import chunk_cumsum as _cumsum_mod
-from . import compute_out as _out_mod
-from . import fwd_pass_state as _state_mod
+from . import chunk_cumsum as chunk_cumsum_module
+from . import compute_out as compute_out_module
+from . import fwd_pass_state as fwd_pass_state_module
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
-from .fwd_pass_state import check_sizes, fwd_pass_state
+from .fwd_pass_state import fwd_pass_state
+from .utils import check_sizes
 
 # Tests set this to NaN-fill every output buffer before the kernels write it, so an element a
 # kernel misses shows up; left off, the buffers are uninitialised (no extra memory traffic).
 POISON_OUTPUTS = False
 
 
-_MODULES = {"chunk_cumsum": _cumsum_mod, "fwd_pass_state": _state_mod, "compute_out": _out_mod}
-KERNELS = tuple(_MODULES)
+# The kernels of the forward pass, in launch order: name -> module. Each module has
+# ``default_config``, ``search_space``, ``<name>_plan`` (an ``ops.launch.Plan``) and ``<name>``.
+KERNELS = {"chunk_cumsum": chunk_cumsum_module, "fwd_pass_state": fwd_pass_state_module,
+           "compute_out": compute_out_module}
 
 
 _DEFAULTS = {}
@@ -55,7 +58,7 @@ def _config(name, configs, shape, features, run):
 
 
 def _choose(name, shape, features, run, tuning):
-    module = _MODULES[name]
+    module = KERNELS[name]
     default = module.default_config(**shape)
     if not tuning:
         return default
@@ -85,7 +88,7 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     configs = dict(configs or {})
     unknown = set(configs) - set(KERNELS)
     if unknown:
-        raise ValueError(f"configs for unknown kernels {sorted(unknown)}; expected {KERNELS}")
+        raise ValueError(f"configs for unknown kernels {sorted(unknown)}; expected {tuple(KERNELS)}")
     if seq_idx is not None and seq_idx.dtype != torch.int32:
         seq_idx = seq_idx.to(torch.int32)   # ids are small; the kernels compare int32
     batch, seqlen, nheads, headdim = x.shape

@@ -73,16 +73,10 @@ import torch
 
 import cuda.tile as ct
 
-from .chunk_cumsum import (_esize, _pow2_in, latency_hint, new_output, resolve_config, unique,
-                           with_hints)
-from .launch import fit_index_width, launch
-
-ConstInt = ct.Constant[int]
-ConstBool = ct.Constant[bool]
-ZERO = ct.PaddingMode.ZERO
-# An H200's (and H100 SXM's) multiprocessor count: only prunes the occupancy hints the search
-# space tries (see ``search_space``); the tuner still measures whatever it keeps.
-MULTIPROCESSORS = 132
+from .configs import resolve_config, unique, with_hints
+from .launch import Plan, fit_index_width, run
+from .utils import (ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups, check_sizes,
+                    element_size, is_pow2_in, latency_hint, multiprocessors, new_output)
 
 
 # Helpers called from the kernel below. Plain functions are compiled into the kernel that calls
@@ -243,14 +237,6 @@ def fwd_pass_state_kernel(
     store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP)
 
 
-def check_sizes(headdim, dstate):
-    """headdim and dstate become tile dimensions, which must be powers of two."""
-    if not _pow2_in(headdim, 16, 128):
-        raise ValueError(f"headdim must be a power of two in [16, 128], got {headdim}")
-    if not _pow2_in(dstate, 16, 512):
-        raise ValueError(f"dstate must be a power of two in [16, 512], got {dstate}")
-
-
 def pick_tiles(headdim, dstate, states_dtype, block_p=None, block_n=None):
     """Default tiles for an H200 (see "Parallelism"): 64 headdim rows; 128 dstate columns
     with 16-bit entry states, 64 with float32 ones (twice the bytes to store per chunk)."""
@@ -279,7 +265,7 @@ def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
     per chunk in flight, at most 200 KiB of the 227 KiB an H200 block may use."""
     bp, bn, k = cfg["BLOCK_P"], cfg["BLOCK_N"], cfg["CHUNKS_PER_ITER"]
     regs = (1 + k) * bp * bn * 4
-    smem = k * chunk_size * (bp + bn) * _esize(dtype)
+    smem = k * chunk_size * (bp + bn) * element_size(dtype)
     return regs <= 64 * 1024 and smem <= 200 * 1024
 
 
@@ -316,11 +302,12 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     blocks = lambda bp, bn: (shape.get("batch", 1) * shape.get("nheads", 1)
                              * (headdim // bp) * (dstate // bn))
     narrow = [(bp, bn) for bp, bn in ((64, 32),) if bp <= headdim and bn <= dstate]
+    sms = multiprocessors()      # only prunes the occupancies tried; the tuner measures the rest
     for bp, bn in tiles[1:] + narrow:      # 64 x 32: 32 dstate columns, x read from L2 again
         n = blocks(bp, bn)
         if n <= blocks(base["BLOCK_P"], base["BLOCK_N"]):
             continue
-        one_wave = min(4, -(-n // MULTIPROCESSORS))
+        one_wave = min(4, cdiv(n, sms))
         for occupancy in sorted({2, max(2, one_wave)}):
             configs += [{**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": occupancy,
                          "LOAD_LAT": lat} for lat in (0, 8)]
@@ -336,7 +323,7 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
 def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
                         states_dtype=torch.float32, block_p=None, block_n=None, poison=False,
                         config=None):
-    """Allocate the outputs and build (grid, kernel, args, outputs) without launching.
+    """Allocate the outputs and build the launch (an ``ops.launch.Plan``) without running it.
 
     ``config``: a dict from ``search_space`` (or part of one; missing keys take
     ``default_config``'s values for this shape). ``block_p`` / ``block_n``, when given, override
@@ -344,14 +331,13 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     check_sizes(headdim, dstate)
-    if nheads % ngroups:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")
+    check_groups(nheads, ngroups)
     nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     cfg = resolve_config(config, default_config(headdim=headdim, dstate=dstate, dtype=x.dtype,
                                                 states_dtype=states_dtype))
     bp = min(block_p or cfg["BLOCK_P"], headdim)
     bn = min(block_n or cfg["BLOCK_N"], dstate)
-    if not (_pow2_in(bp, 1, 1024) and _pow2_in(bn, 1, 1024)):
+    if not (is_pow2_in(bp, 1, 1024) and is_pow2_in(bn, 1, 1024)):
         raise ValueError(f"BLOCK_P ({bp}) and BLOCK_N ({bn}) must be powers of two")
     if cfg["CHUNKS_PER_ITER"] not in (1, 2):
         raise ValueError(f"CHUNKS_PER_ITER must be 1 or 2, got {cfg['CHUNKS_PER_ITER']}")
@@ -359,8 +345,7 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
     entry_states = new_output((batch, nchunks, nheads, headdim, dstate), states_dtype, x.device,
                               poison)
     final_states = new_output((batch, nheads, headdim, dstate), torch.float32, x.device, poison)
-    if seq_idx is not None and seq_idx.dtype != torch.int32:
-        seq_idx = seq_idx.to(torch.int32)
+    seq_idx = as_int32(seq_idx)
     # Absent optional tensors are replaced by an input the compiled variant never reads.
     args = (x, B, dt_out, dA_cumsum,
             initial_states if initial_states is not None else x,
@@ -369,8 +354,9 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
             nheads // ngroups, chunk_size, bp, bn,
             initial_states is not None, seq_idx is not None,
             bool(cfg["SWAP"]), cfg["CHUNKS_PER_ITER"], cfg["LOAD_LAT"], cfg["STORE_LAT"])
-    grid = ((-(-headdim // bp)) * (-(-dstate // bn)), nheads, batch)
-    return grid, with_hints(fit_index_width(fwd_pass_state_kernel, args, cfg["INDEX64"]), cfg), args, (entry_states, final_states)
+    grid = (cdiv(headdim, bp) * cdiv(dstate, bn), nheads, batch)
+    kernel = with_hints(fit_index_width(fwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
+    return Plan(grid, kernel, args, (entry_states, final_states))
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
@@ -383,8 +369,5 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
     ``poison=True`` NaN-fills the outputs first (for tests). ``config`` picks a variant (see
     ``search_space``); None is ``default_config``.
     """
-    grid, kernel, args, outs = fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states,
-                                                   seq_idx, states_dtype, poison=poison,
-                                                   config=config)
-    launch(grid, kernel, args)
-    return outs
+    return run(fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states, seq_idx,
+                                   states_dtype, poison=poison, config=config))

@@ -5,20 +5,22 @@ tensor arguments live decides how the kernel runs:
 
 * CUDA tensors: compiled and run on the GPU with ``ct.launch`` on torch's
   current stream;
-* CPU tensors: executed by the CPU interpreter (``ops.interpreter``), which
-  emulates every ``ct`` operation in torch, block by block.
+* CPU tensors: executed by the CPU interpreter (``ops.interpreter``, imported
+  by the first CPU launch only), which emulates every ``ct`` operation in
+  torch, block by block.
 
 So the same wrapper, given CPU inputs, gives a kernel you can step through
 with pdb on a laptop.
 """
 
 import types
+from typing import NamedTuple
 
 import torch
 
 import cuda.tile as ct
 
-from ops import interpreter
+from ops.cutile_internals import kernel_function, kernel_hints
 
 
 def _tensors(args):
@@ -42,11 +44,6 @@ def _device_type(args):
     return device
 
 
-def interpreting(args):
-    """True when ``launch(grid, kernel, args)`` would use the CPU interpreter."""
-    return _device_type(args) == "cpu"
-
-
 def launch(grid, kernel, args):
     """Run `kernel` over `grid` (an int or a tuple of up to 3 ints) with `args`.
 
@@ -58,13 +55,14 @@ def launch(grid, kernel, args):
     if _device_type(args) == "cuda":
         ct.launch(torch.cuda.current_stream(), grid, kernel, args)
     else:
+        from ops import interpreter  # only CPU launches need it
         interpreter.launch(grid, kernel, args)
 
 
 def kernel_source(kernel):
     """The Python source of a ``@ct.kernel`` (the decorated object wraps the function)."""
     import inspect
-    return inspect.getsource(getattr(kernel, "_pyfunc", kernel))
+    return inspect.getsource(kernel_function(kernel) if isinstance(kernel, ct.kernel) else kernel)
 
 
 # 32- or 64-bit indexing -------------------------------------------------------------------------
@@ -81,13 +79,12 @@ _INT32_TWINS = {}
 
 
 def _int32_twin(kernel):
-    f = kernel._pyfunc
+    f = kernel_function(kernel)
     g = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     g.__qualname__, g.__module__, g.__doc__ = f.__qualname__, f.__module__, f.__doc__
     g.__kwdefaults__ = f.__kwdefaults__
     g.__annotations__ = {k: v for k, v in f.__annotations__.items() if v is not ct.IndexedWithInt64}
-    options = {k: v for k, v in vars(kernel._compiler_options).items() if v is not None}
-    return ct.kernel(g, **options)
+    return ct.kernel(g, **kernel_hints(kernel))
 
 
 def fit_index_width(kernel, args, force_int64=False):
@@ -99,3 +96,25 @@ def fit_index_width(kernel, args, force_int64=False):
     if kernel not in _INT32_TWINS:
         _INT32_TWINS[kernel] = _int32_twin(kernel)
     return _INT32_TWINS[kernel]
+
+
+# Plans ---------------------------------------------------------------------------------------------
+
+class Plan(NamedTuple):
+    """One kernel launch, built but not run: what every kernel module's ``*_plan`` returns.
+
+    ``outputs`` are the buffers the launch fills (allocated by the plan); ``before`` holds the
+    plans that must run first (compute_out's C B^T from memory needs ``chunk_scores``)."""
+    grid: tuple
+    kernel: object
+    args: tuple
+    outputs: tuple
+    before: tuple = ()
+
+
+def run(plan):
+    """Launch ``plan`` (after the launches it needs); returns its outputs."""
+    for step in plan.before:
+        run(step)
+    launch(plan.grid, plan.kernel, plan.args)
+    return plan.outputs

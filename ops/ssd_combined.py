@@ -4,18 +4,16 @@ It checks its inputs (a bad shape or dtype raises at once, naming the argument),
 contiguous, and hands them to one of the backends:
 
     "reference"  the chunked PyTorch reference (reference/chunked.py), any device
-    "interpret"  the three cuTile kernels, executed on the CPU by ops/interpreter.py
+    "interpret"  the three cuTile kernels, executed on the CPU by the ops/interpreter/ package
     "cutile"     the three cuTile kernels, compiled and launched on a CUDA GPU
     "auto"       "cutile" for CUDA tensors on a GPU cuTile supports (and sizes the kernels take:
                  headdim and dstate powers of two, in [16, 128] and [16, 512]), else "reference"
 """
-import importlib.util
 import math
 
 import torch
 
 BACKENDS = ("auto", "reference", "interpret", "cutile")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernels accept for x, B, C, z
 
 
@@ -60,8 +58,6 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         if x.dtype not in KERNEL_DTYPES:
             raise TypeError(f"backend={backend!r} takes x, B, C, z in float32, bfloat16 or float16; "
                             f"got {x.dtype} (float64 works with backend='reference')")
-        if importlib.util.find_spec(f"{__package__}.forward") is None:
-            raise NotImplementedError(f"backend={backend!r} needs the cuTile kernels (ops/forward.py)")
         from .forward import kernel_forward
         out, final_states = kernel_forward(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                                            initial_states=initial_states, seq_idx=seq_idx,
@@ -83,7 +79,7 @@ def cutile_supported(device):
 
 def kernels_take(headdim, dstate):
     """Whether the kernels tile these sizes (their own check: powers of two in range)."""
-    from .fwd_pass_state import check_sizes
+    from .utils import check_sizes
     try:
         check_sizes(headdim, dstate)
     except ValueError:
@@ -120,7 +116,7 @@ def _need_tensor(name, t):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
 
 
-def _need_float(name, t, allowed=FLOAT_DTYPES + (torch.float64,)):
+def _need_float(name, t, allowed=KERNEL_DTYPES + (torch.float64,)):
     if t.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"{name} must be a floating tensor ({names}); got {t.dtype}")
@@ -156,10 +152,8 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
     if B.dtype != x.dtype:
         raise TypeError(f"B and C must have x's dtype ({x.dtype}); got {B.dtype}")
 
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int; got {type(chunk_size).__name__}")
-    if not (16 <= chunk_size <= 256 and chunk_size & (chunk_size - 1) == 0):
-        raise ValueError(f"chunk_size must be a power of two in [16, 256]; got {chunk_size}")
+    from .utils import check_chunk_size    # (ops.utils needs cuda.tile: imported when used)
+    check_chunk_size(chunk_size)
 
     if D is not None:
         _need_tensor("D", D)

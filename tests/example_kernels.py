@@ -2,8 +2,8 @@
 
 Each kernel is ordinary cuTile code: the same object runs through
 ``ct.launch`` on a GPU and through ``ops.interpreter.launch`` on a CPU, and
-``tests/test_interpreter.py`` compiles each one ahead of time for sm_90 to
-prove the compiler accepts it.
+``tests/interpreter/test_examples.py`` compiles each one ahead of time for
+sm_90 to prove the compiler accepts it.
 """
 
 import cuda.tile as ct

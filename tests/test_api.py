@@ -4,7 +4,8 @@ import torch
 
 from ops import mamba_chunk_scan_combined
 from reference.sequential import ssd_sequential
-from tests.helpers import make_problem, rel_err
+from reference.problems import make_problem
+from reference.validate import rel_err
 
 # Tolerances for ||out - ref|| / ||ref|| against a float64 recurrence fed the SAME (already
 # rounded) inputs, so only the computation's own rounding counts. The reference backend

@@ -22,14 +22,12 @@ import time
 
 import pytest
 
+from tests.benchmark import plot, report
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BENCH = os.path.join(HERE, "benchmark", "bench_forward.py")
 PLOT = os.path.join(HERE, "benchmark", "plot.py")
-sys.path.insert(0, os.path.join(HERE, "benchmark"))
-
-import plot  # noqa: E402
-import report  # noqa: E402
 
 TINY = ["--device", "cpu", "--nheads", "2", "--headdim", "16", "--warmup-ms", "1", "--rep-ms", "2"]
 PROGRESS = re.compile(r"^\[(\d+)/(\d+)\] (\S+) L=(\S+) dstate=(\d+) chunk=(\d+) (.*) \((\d+) s\)$", re.M)
@@ -99,7 +97,7 @@ def read_csv(path):
 # Pieces ------------------------------------------------------------------------------------------
 
 def test_the_default_grid_is_the_h200_one():
-    import bench_forward as bf
+    from tests.benchmark import bench_forward as bf
     a = bf.parse_args([])
     assert (a.impls, a.seqlens, a.dstates, a.chunks) == (
         ["triton", "cutile", "tilegym"], [1024, 4096, 16384, 65536, 262144], [64, 128, 256, 512], [256])
@@ -109,7 +107,7 @@ def test_the_default_grid_is_the_h200_one():
 
 
 def test_work_counts_at_the_h200_shape():
-    import bench_forward as bf
+    from tests.benchmark import bench_forward as bf
     flops, nbytes = bf.work_counts(1, 65536, 80, 64, 1, 128, 256, "bfloat16")
     assert flops == 4 * 65536 * 80 * 64 * 128 + 65536 * 256 * 128 + 65536 * 256 * 80 * 64
     assert nbytes == 65536 * (2 * 80 * 64 * 2 + 2 * 128 * 2 + 80 * 4) + 3 * 80 * 4
@@ -117,7 +115,7 @@ def test_work_counts_at_the_h200_shape():
 
 def test_median_time_follows_do_bench_recipe():
     """The timer used when triton is missing: an estimate, ~warmup_ms of calls, ~rep_ms timed."""
-    import bench_forward as bf
+    from tests.benchmark import bench_forward as bf
     calls, times = [], iter([2.0] + [5.0, 1.0, 3.0, 4.0, 2.0])
     fn = lambda: calls.append(1)
 
@@ -380,14 +378,13 @@ def test_warm_compile_covers_every_search_space_config():
     specializes differently, chunk_cumsum once per seqlen (it never sees dstate)."""
     import argparse
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmark"))
-    import warm_compile
-    from ops.forward import _MODULES
+    from ops.forward import KERNELS
+    from tests.benchmark import warm_compile
     args = argparse.Namespace(dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
                               ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=2,
-                              kernels=list(_MODULES))
+                              kernels=list(KERNELS))
     tasks = warm_compile._tasks(args)
-    for name, module in _MODULES.items():
+    for name, module in KERNELS.items():
         for dstate in (64, 256):
             for chunk in (128, 256):
                 shape = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, dstate=dstate,
@@ -412,8 +409,7 @@ def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
     and TileGym's own functions are restored afterwards."""
     import types
     import torch
-    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmark"))
-    import warm_compile
+    from tests.benchmark import warm_compile
     seen = {}
     fake = types.ModuleType("tilegym.ops.cutile.mamba2")
     fake._chunk_cumsum_autotune_configs = lambda num_heads: iter(range(5))
@@ -444,8 +440,7 @@ def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
 
 def test_ncu_summary_reads_the_raw_page(tmp_path):
     """ncu_summary.py on a small raw-page CSV in ncu's layout: header, units, one row per launch."""
-    sys.path.insert(0, os.path.join(ROOT, "tests", "benchmark"))
-    import ncu_summary
+    from tests.benchmark import ncu_summary
     header = ["ID", "Kernel Name", "gpu__time_duration.sum",
               "sm__throughput.avg.pct_of_peak_sustained_elapsed",
               "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
@@ -472,7 +467,7 @@ def test_ncu_summary_reads_the_raw_page(tmp_path):
 
 
 def test_merge_results_later_runs_win_point_by_point(tmp_path):
-    import merge_results
+    from tests.benchmark import merge_results
     shape = {"batch": 1, "nheads": 80, "headdim": 64, "ngroups": 1, "dtype": "bfloat16"}
     header = ["impl", "seqlen", "dstate", "chunk", "ms", "started_at", *shape]
 
@@ -518,7 +513,7 @@ def test_run_h200_script_shares_lengths_over_gpus(tmp_path):
 
 
 def test_merge_results_shares_lengths_longest_first():
-    import merge_results
+    from tests.benchmark import merge_results
     assert merge_results.share("1K,4K,16K,64K,256K", "0,1") == [("0", ["256K"]), ("1", ["1K", "4K", "16K", "64K"])]
     assert merge_results.share("16K,64K,256K", "0,1,2,3") == [("0", ["256K"]), ("1", ["64K"]), ("2", ["16K"])]
     assert merge_results.share("64,128", "0") == [("0", ["64", "128"])]

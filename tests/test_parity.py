@@ -1,7 +1,8 @@
 """Interpreter vs GPU: every project kernel run on the same inputs on the CPU (through the tile
 interpreter) and on a CUDA GPU (compiled), outputs compared with each other directly.
 
-test_kernels.py checks each backend against the float64 reference; these tests check that the
+The per-kernel tests (test_chunk_cumsum.py, test_fwd_pass_state.py, test_compute_out.py,
+test_forward.py) check each backend against the float64 reference; these tests check that the
 interpreter is a faithful stand-in for the GPU, kernel by kernel, which is what makes CPU-only
 CI and laptop debugging trustworthy.
 
@@ -17,7 +18,8 @@ from ops.chunk_cumsum import chunk_cumsum
 from ops.compute_out import compute_out
 from ops.forward import kernel_forward
 from ops.fwd_pass_state import fwd_pass_state
-from tests.helpers import make_problem, rel_err
+from reference.problems import make_problem
+from reference.validate import rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,10 @@ import torch
 from reference import chunked
 from reference.chunked import ssd_chunked
 from reference.common import process_dt
+from reference.problems import make_problem, packed_seq_idx
 from reference.quadratic import ssd_quadratic
 from reference.sequential import ssd_sequential
-from tests.helpers import make_problem, packed_seq_idx, rel_err
+from reference.validate import rel_err
 
 TOL = 1e-10
 

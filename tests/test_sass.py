@@ -1,6 +1,6 @@
 """What the kernels compile to on Hopper (sm_90) and Blackwell (sm_100), checked on a CPU.
 
-Each project kernel is compiled as a launch would compile it (``ops.sass``: contiguous,
+Each project kernel is compiled as a launch would compile it (``ops.tools.sass``: contiguous,
 aligned tensors at a Mamba-2-like shape) and its machine code is read with nvdisasm and
 cuobjdump. The assertions pin down what the compiler does today:
 
@@ -8,7 +8,7 @@ cuobjdump. The assertions pin down what the compiler does today:
     on sm_90, ``UTCHMMA`` (tcgen05.mma, accumulator in tensor memory, read back with ``LDTM``)
     on sm_100, never the other's, and none in chunk_cumsum, which has no product;
   * operands reach shared memory asynchronously (cp.async or TMA) behind mbarriers;
-  * resources are sane. Spills are reported by ``ops.sass`` but not asserted away: at the
+  * resources are sane. Spills are reported by ``ops.tools.sass`` but not asserted away: at the
     time of writing compute_out spills a few registers on sm_100 (see the findings in
     notebook 06).
 
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import cuda.tile as ct
-from ops import sass
+from ops.tools import sass
+from ops.tools.plans import representative_plan
 
 ARCHS = ["sm_90", "sm_100"]
 MMA_KIND = {"sm_90": "HGMMA", "sm_100": "UTCHMMA"}
@@ -31,7 +32,7 @@ def reports():
 
     def get(name, arch):
         if (name, arch) not in cache:
-            kernel, args = sass.representative_plan(name)
+            kernel, args = representative_plan(name)
             cache[name, arch] = sass.sass_report(kernel, args, arch)
         return cache[name, arch]
     return get
@@ -222,7 +223,7 @@ def test_64_bit_indexing_trades_tma_for_cp_async():
 
 
 def test_launch_specialization_is_what_makes_fast_code():
-    """Compiled for arbitrary arrays (``ops.aot``'s signature) the same kernel loads every
+    """Compiled for arbitrary arrays (``ops.tools.aot``'s signature) the same kernel loads every
     element with a separate 2-byte load; specialized on contiguous, aligned tensors, as a
     launch does, it copies tiles with TMA and is an order of magnitude shorter."""
     fast = sass.sass_report(mma_probe, probe_args(), "sm_90")

@@ -1,12 +1,9 @@
 """tests/benchmark/tuning_report.py on a small hand-made autotune cache."""
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "benchmark"))
-import tuning_report  # noqa: E402
+from tests.benchmark import tuning_report
 
 DEFAULT = {"BLOCK_M": 64, "SWAP": False, "occupancy": None, "INDEX64": False}
 

@@ -78,12 +78,10 @@ import tempfile
 import threading
 import time
 
+from tests.benchmark import report
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-
-import report  # noqa: E402  (tests/benchmark/report.py)
 
 IMPLS = ("triton", "cutile", "cutile_default", "tilegym", "reference", "interpret")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -958,7 +956,7 @@ def main(argv=None):
     if args.csv:
         print(f"\nwrote {args.csv} ({len(rows)} rows)")
     if args.plot:
-        import plot
+        from tests.benchmark import plot
         plot.plot(rows, args.plot)
         print(f"wrote {args.plot}")
     shutil.rmtree(workdir, ignore_errors=True)          # task files, event logs (and slices, unless --slices)

@@ -6,17 +6,17 @@
 
 A tuner times each config of ``search_space`` on the GPU; a config that does not compile would
 only waste its time there, so this script checks them all beforehand, on any machine (no GPU:
-see ``ops/aot.py``). The shape is a Mamba-2 layer of a ~2.7B model: batch 1, 16K tokens, 80
+see ``ops/tools/aot.py``). The shape is a Mamba-2 layer of a ~2.7B model: batch 1, 16K tokens, 80
 heads of 64, one group, bf16, chunks of 256 (only dtypes, the compile-time sizes -- chunk,
 headdim, dstate, tiles -- and the flags change the code; the tensors are "meta" tensors). The
 launches are those of ``ops.forward``: dt bias and softplus, D per head, no z, entry states in
 x's dtype.
 
-For each config it prints the compile time and, when ``ops.sass`` is available (it needs
+For each config it prints the compile time and, when ``ops.tools.sass`` is available (it needs
 NVIDIA's nvdisasm and cuobjdump), the registers per thread, threads per block, spilled
 registers and shared memory of the machine code: a config that spills is legal but a poor bet.
-By default the kernel is compiled as a launch would specialize it (``ops.aot.launch_signature``:
-16-byte alignment, unit strides); ``--generic`` compiles ``ops.aot.signature_of``'s signature
+By default the kernel is compiled as a launch would specialize it (``ops.tools.aot.launch_signature``:
+16-byte alignment, unit strides); ``--generic`` compiles ``ops.tools.aot.signature_of``'s signature
 for arbitrary arrays instead. The compiler's disk cache is bypassed so the times are real.
 Exit status 1 if any config fails.
 """
@@ -28,18 +28,16 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("CUDA_TILE_CACHE_DIR", "off")   # measure compiles, not cache hits
 
-import torch  # noqa: E402
+import torch
 
-from ops import chunk_cumsum, compute_out, fwd_pass_state  # noqa: E402
-from ops.sass import SHAPE, representative_plan  # noqa: E402
+from ops import chunk_cumsum, compute_out, fwd_pass_state
+from ops.tools.plans import SHAPE, representative_plan
 
 KERNELS = {"chunk_cumsum": chunk_cumsum, "fwd_pass_state": fwd_pass_state,
            "compute_out": compute_out}
-# ops.sass's representative layer, in the keys the kernel modules' config functions take.
+# ops.tools.plans' representative layer, in the keys the kernel modules' config functions take.
 LAYER = dict({k: v for k, v in SHAPE.items() if k not in ("chunk", "dstate")},
              chunk_size=SHAPE["chunk"], dtype=torch.bfloat16)
 
@@ -51,15 +49,15 @@ def shape(dstate, **overrides):
 
 def plan(name, shp, config):
     """(kernel, args) of one launch of kernel ``name`` for shape ``shp`` with ``config``: the
-    representative launch of ``ops.sass`` (the same layer, as ``ops.forward`` calls it) at
+    representative launch of ``ops.tools.sass`` (the same layer, as ``ops.forward`` calls it) at
     ``shp``'s dstate and dtype."""
     return representative_plan(name, shp["dtype"], dstate=shp["dstate"], config=config)
 
 
 def _sass():
-    """``ops.sass`` if it and its NVIDIA tools are available, else None (then only compile)."""
+    """``ops.tools.sass`` if it and its NVIDIA tools are available, else None (then only compile)."""
     try:
-        from ops import sass
+        from ops.tools import sass
         sass.find_tool("nvdisasm")
         sass.find_tool("cuobjdump")
         return sass
@@ -80,7 +78,7 @@ def compile_one(name, shp, config, arch, generic):
                        spill_loads=report.spill_loads, spill_stores=report.spill_stores,
                        shared=report.shared)
         else:
-            from ops.aot import compile_cubin
+            from ops.tools.aot import compile_cubin
             compile_cubin(kernel, args, arch, specialize=not generic)
         row["status"] = "ok"
     except Exception as e:   # report it and go on: the point is to list every failure
@@ -104,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="compiles in parallel (processes)")
     ap.add_argument("--generic", action="store_true",
-                    help="compile ops.aot's signature for arbitrary arrays instead of a launch's")
+                    help="compile ops.tools.aot's signature for arbitrary arrays instead of a launch's")
     ap.add_argument("--csv", help="also write the rows to this CSV file")
     opts = ap.parse_args(argv)
 

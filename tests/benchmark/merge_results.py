@@ -19,7 +19,7 @@ import argparse
 import csv
 import sys
 
-from bench_forward import parse_lengths, point_key
+from tests.benchmark.bench_forward import parse_lengths, point_key
 
 
 def merge(paths):

@@ -23,10 +23,9 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import report  # noqa: E402
-from report import summary  # noqa: E402,F401  (part of this module's interface)
+from tests.benchmark import report
+from tests.benchmark.report import summary  # noqa: F401  (part of this module's interface)
 
 LINESTYLE = {"cutile": "-", "triton": ":", "tilegym": "-."}
 

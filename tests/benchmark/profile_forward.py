@@ -13,12 +13,10 @@ launches sees warm, tuned kernels; those calls run inside an NVTX range named "p
 is a dry run.
 """
 import argparse
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_forward  # noqa: E402
+from tests.benchmark import bench_forward
 
 
 def main(argv=None):

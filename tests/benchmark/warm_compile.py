@@ -23,12 +23,8 @@ tunes without compiling.
 import argparse
 import multiprocessing as mp
 import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # bench_forward
 
 KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 
@@ -36,14 +32,14 @@ KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 def _inputs(seqlen, dstate, nheads, headdim, ngroups):
     """The benchmark's own inputs (bench_forward.make_inputs): the same shapes and dtypes."""
     import torch
-    import bench_forward
+    from tests.benchmark import bench_forward
     return bench_forward.make_inputs(torch, "cuda", 1, seqlen, nheads, headdim, ngroups, dstate,
                                      "bfloat16")
 
 
 def _tasks(args):
     import torch
-    from ops.forward import _MODULES
+    from ops.forward import KERNELS
     tasks, tilegym = [], []
     for chunk in args.chunks:
         for dstate in args.dstates:
@@ -54,7 +50,7 @@ def _tasks(args):
                 for name in args.kernels:
                     if name == "chunk_cumsum" and dstate != args.dstates[0]:
                         continue        # it never sees dstate: one set of compiles serves all
-                    for cfg in _MODULES[name].search_space(**shape):
+                    for cfg in KERNELS[name].search_space(**shape):
                         tasks.append((name, seqlen, dstate, chunk, cfg))
         if args.tilegym:
             tilegym += [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
@@ -102,7 +98,7 @@ def _tilegym_forward(inp, chunk, part=0, nparts=1):
     search then compiles only those, and ``nparts`` processes compile one shape's configs together."""
     import contextlib
     import io
-    import bench_forward
+    from tests.benchmark import bench_forward
     import tilegym.ops.cutile.mamba2 as tg
     forward = bench_forward.build("tilegym", inp, chunk)
 

@@ -7,15 +7,16 @@ very different programs for each: Ampere (sm_80) multiplies with warp-level ``HM
 ``LDTM``). Whether a tile size or a code change really turns into those instructions, and
 what it costs in registers, spills and shared memory, can be answered on any machine:
 
-    from ops.sass import sass_report, compare, representative_plan
+    from ops.tools.plans import representative_plan
+    from ops.tools.sass import sass_report, compare
     kernel, args = representative_plan("compute_out")
     print(sass_report(kernel, args, "sm_100"))
     compare([sass_report(kernel, args, a) for a in ("sm_90", "sm_100")])
 
-or from a shell: ``python -m ops.sass compute_out --arch sm_90,sm_100 --set block_m=128``.
+or from a shell: ``python -m ops.tools.sass compute_out --arch sm_90,sm_100 --set block_m=128``.
 
 ``sass_report`` compiles the launch (specialized as a launch on the GPU would be: see
-``ops.aot.launch_signature``; ``specialize=False`` takes ``ops.aot.signature_of`` for
+``ops.tools.aot.launch_signature``; ``specialize=False`` takes ``ops.tools.aot.signature_of`` for
 arbitrary arrays, a very different program) and reads the cubin with
 NVIDIA's ``nvdisasm`` (the instructions) and ``cuobjdump`` (resource usage and the ELF
 attributes the compiler leaves for the driver: block size, register cap, spill annotations).
@@ -30,7 +31,6 @@ import ast
 import collections
 import dataclasses
 import importlib.util
-import inspect
 import os
 import re
 import shutil
@@ -41,8 +41,10 @@ import tempfile
 import torch
 
 
+from ..cutile_internals import kernel_function
+from ..forward import KERNELS
 from .aot import compile_cubin, launch_signature, signature_of
-from .forward import KERNELS
+from .plans import SHAPE, plan_options, representative_plan
 
 # The pip wheel each tool comes in (the error message names it).
 TOOL_PACKAGES = {"nvdisasm": "nvidia-cuda-nvdisasm", "cuobjdump": "nvidia-cuda-cuobjdump"}
@@ -321,7 +323,7 @@ def analyze_cubin(cubin, arch, label="kernel"):
 
 
 def kernel_name(kernel):
-    name = kernel._annotated_function.pyfunc.__name__
+    name = kernel_function(kernel).__name__
     return name[:-len("_kernel")] if name.endswith("_kernel") else name
 
 
@@ -333,71 +335,13 @@ _CACHE = {}
 def sass_report(kernel, args, arch, label=None, specialize=True):
     """Compile one launch's variant of ``kernel`` (arguments as the ``*_plan`` functions build
     them; meta tensors do) for ``arch`` and report on its machine code. ``specialize``: see
-    ``ops.aot.compile_cubin``."""
+    ``ops.tools.aot.compile_cubin``."""
     signature = launch_signature(kernel, args) if specialize else signature_of(kernel, args)
     key = (kernel, repr(signature), arch)
     if key not in _CACHE:
         cubin = compile_cubin(kernel, args, arch, specialize=specialize)
         _CACHE[key] = analyze_cubin(cubin, arch, kernel_name(kernel))
     return dataclasses.replace(_CACHE[key], label=label or kernel_name(kernel))
-
-
-# --- Representative launches -------------------------------------------------------------------
-
-# A Mamba-2 layer of a ~2.7B model at a long context: batch 1, 16K tokens, 80 heads of 64,
-# dstate 128, one group, bf16, chunks of 256. Only dtypes, sizes that are compile-time
-# constants (chunk, headdim, dstate, tiles) and flags change the code; the tensors are "meta".
-SHAPE = dict(batch=1, seqlen=16384, nheads=80, headdim=64, dstate=128, ngroups=1, chunk=256)
-
-
-def _plan_function(name):
-    from . import chunk_cumsum, compute_out, fwd_pass_state
-    return {"chunk_cumsum": chunk_cumsum.chunk_cumsum_plan,
-            "fwd_pass_state": fwd_pass_state.fwd_pass_state_plan,
-            "compute_out": compute_out.compute_out_plan}[name]
-
-
-def plan_options(name):
-    """The keyword arguments of a kernel's ``*_plan`` function (tile sizes and the like)."""
-    return [p for p in inspect.signature(_plan_function(name)).parameters.values()
-            if p.default is not inspect.Parameter.empty]
-
-
-def meta_plan(name, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size,
-              dtype=torch.bfloat16, **options):
-    """(grid, kernel, args, outputs) of one launch of kernel ``name`` at the given shape, built on
-    meta tensors (no memory, no GPU), as ``ops.forward`` makes it: dt bias and softplus on, entry
-    states in x's dtype, D per head, no z (Mamba-2 gates in its norm). ``options`` go to the
-    ``*_plan`` function, e.g. ``block_m=128`` or ``config={...}``."""
-    nchunks = -(-seqlen // chunk_size)
-
-    def meta(*shape, dt=torch.float32):
-        return torch.empty(shape, dtype=dt, device="meta")
-
-    x = meta(batch, seqlen, nheads, headdim, dt=dtype)
-    B = meta(batch, seqlen, ngroups, dstate, dt=dtype)
-    dt_out = meta(batch, nheads, nchunks, chunk_size)
-    dA = meta(batch, nheads, nchunks, chunk_size)
-    plan = _plan_function(name)
-    if name == "chunk_cumsum":
-        A = meta(nheads)
-        options = {"dt_bias": A, "dt_softplus": True, **options}
-        return plan(meta(batch, seqlen, nheads, dt=dtype), A, chunk_size, **options)
-    if name == "fwd_pass_state":
-        return plan(x, B, dt_out, dA, **{"states_dtype": dtype, **options})
-    if name == "compute_out":
-        states = meta(batch, nchunks, nheads, headdim, dstate, dt=dtype)
-        return plan(x, B, B, dt_out, dA, states, **{"D": meta(nheads), **options})
-    raise ValueError(f"unknown kernel {name!r}; choose from {', '.join(KERNELS)}")
-
-
-def representative_plan(name, dtype=torch.bfloat16, dstate=None, **options):
-    """(kernel, args) of one launch of kernel ``name`` at ``SHAPE`` (``dstate``, when given,
-    replacing its 128): ``meta_plan`` at that layer."""
-    layer = {k: v for k, v in SHAPE.items() if k != "chunk"}
-    layer.update(chunk_size=SHAPE["chunk"], dstate=dstate or SHAPE["dstate"])
-    _, kernel, args, _ = meta_plan(name, dtype=dtype, **layer, **options)
-    return kernel, args
 
 
 # --- Command line ------------------------------------------------------------------------------
@@ -414,7 +358,7 @@ def _value(text):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ops.sass", description=(
+    parser = argparse.ArgumentParser(prog="python -m ops.tools.sass", description=(
         "Compile the project's kernels for GPU architectures (no GPU needed) and report what "
         "their machine code contains: matrix instructions, registers, spills, shared memory."))
     parser.add_argument("kernels", nargs="*", default=list(KERNELS), metavar="KERNEL",
@@ -426,7 +370,7 @@ def main(argv=None):
                         help="keyword argument of the *_plan function, e.g. block_m=128 "
                              "(repeatable; names are case-insensitive)")
     parser.add_argument("--generic", action="store_true",
-                        help="compile for arbitrary arrays (ops.aot's signature) instead of "
+                        help="compile for arbitrary arrays (ops.tools.aot's signature) instead of "
                              "specializing on contiguous, aligned tensors as a launch does")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="also list the N most frequent opcodes of each variant")

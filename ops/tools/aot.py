@@ -23,6 +23,8 @@ import torch
 import cuda.tile as ct
 from cuda.tile import compilation as cc
 
+from ..cutile_internals import kernel_function
+
 ARCHS = ["sm_80", "sm_90", "sm_100"]
 CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,
             torch.float64: ct.float64, torch.int32: ct.int32, torch.int64: ct.int64}
@@ -43,7 +45,7 @@ def _is_constant(annotation):
 
 def signature_of(kernel, args):
     """The KernelSignature a launch of ``kernel`` with ``args`` compiles."""
-    params = inspect.signature(kernel._annotated_function.pyfunc).parameters.values()
+    params = inspect.signature(kernel_function(kernel)).parameters.values()
     constraints = []
     for param, arg in zip(params, args, strict=True):
         if _is_constant(param.annotation):
@@ -66,7 +68,7 @@ def signature_of(kernel, args):
 def launch_signature(kernel, args):
     """The signature a launch on a GPU would compile for these arguments.
 
-    ``ops.aot.signature_of`` assumes only what holds for every array (any strides, any
+    ``signature_of`` assumes only what holds for every array (any strides, any
     alignment), which is right for a kernel exported once for unknown callers. A launch knows
     more, and cuTile specializes the kernel on it: an axis of stride 1 becomes a constant
     stride, strides and sizes that are multiples of 16 bytes / 16 elements are declared so,

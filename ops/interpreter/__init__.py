@@ -1,0 +1,143 @@
+"""A CPU interpreter for cuTile kernels.
+
+`launch(grid, kernel, args)` runs a ``@ct.kernel`` on CPU torch tensors, one
+block after another, with every ``cuda.tile`` operation emulated in torch.
+It exists so that a kernel can be read, stepped through with ``pdb``,
+``print``-debugged and unit-tested on a machine without a GPU.
+
+How the kernel's ``ct.*`` calls reach this package
+--------------------------------------------------
+Every public cuTile operation (``ct.load``, ``ct.mma``, ...) is a *stub*: a
+Python function whose body does nothing, wrapped so that calling it asks
+cuTile's current *dispatch mode* what to do.  Outside a compiler the mode is
+"refuse" ("device functions can only be called from device code"); the
+compiler installs its own mode while it traces a kernel.  The interpreter
+installs a third mode, `runner.Interpreter`, whose answer is "run the torch
+emulation registered under that operation's name in `registry.OPS`".
+
+We call the kernel's own Python function (``kernel_function(kernel)``)
+directly inside that mode.  Compared with copying the function and swapping
+its globals, this
+
+* runs the exact object that is launched on the GPU: line numbers,
+  tracebacks, ``breakpoint()``, closures and default arguments are simply
+  the kernel's own;
+* needs no bookkeeping for helper functions, whether they are plain
+  functions, ``@ct.function`` helpers, imported with ``from cuda.tile
+  import load`` or reached through another module;
+* fails loudly for operations we do not emulate: the stub still calls us
+  and we raise ``NotImplementedError`` naming it.
+
+The price is that the hook (the dispatch mode) is internal to cuTile; like
+every other private name of cuda.tile it is reached through
+``ops.cutile_internals``, which accepts cuda-tile 1.7 only.
+
+Modules
+-------
+* `registry`: the operation table ``OPS`` (stub name -> emulation) and the
+  ``@emulates("name")`` decorator every operation module registers with;
+* `errors`: `KernelError` and its subclasses, whose messages start with the
+  kernel's source line;
+* `dtypes`: how each cuTile dtype is stored in torch, rounding and
+  conversion, scalar promotion;
+* `values`: `Tile` (with its operators) and `Array`;
+* `arguments`: checking and converting the operations' arguments, tile
+  promotion, the shared elementwise driver;
+* `memory`: ``load``, ``store``, ``num_tiles``; `creation`: ``full``,
+  ``zeros``, ``ones``, ``arange``, ``astile``;
+* `arithmetic`: elementwise arithmetic, comparisons, bit operations,
+  ``where``, unary math, ``astype`` and ``bitcast``;
+* `reductions`: reductions and scans, ``reduce`` and ``scan``;
+* `mma`: ``mma`` and ``matmul``; `shapes`: reshaping, permuting,
+  broadcasting, ``cat``, ``extract``, ``insert``;
+* `debug`: ``static_eval``, ``static_assert``, ``assume_divisible_by``,
+  ``assert_``, ``print``, ``printf``;
+* `runner`: the dispatch mode, ``bid`` / ``num_blocks``, `is_interpreting`
+  and `launch`.
+
+Values inside an interpreted kernel
+-----------------------------------
+* Kernel array arguments become `Array` (a torch tensor plus its cuTile
+  dtype).  Tiles are `Tile`: a torch tensor plus a cuTile dtype.  Tiles are
+  immutable; every operation returns a new one.
+* ``ct.bid``, ``ct.num_blocks``, array shapes, loop counters and integer
+  kernel arguments are plain Python ints.  Float kernel arguments that are
+  not ``ct.Constant`` become 0-d float32 tiles, because on the GPU they are
+  float32 values (``bf16_tile * scale`` is a float32 tile there).
+* Python scalars are "loosely typed" as in cuTile: in ``tile + 1.5`` the
+  tile's dtype wins unless the scalar is of a stronger kind (a float scalar
+  with an int tile gives float32).  Two tiles of different dtypes promote
+  with cuTile's own table (``promote_dtypes``), so mixing e.g. bfloat16 and
+  float16 is an error here as in the compiler.
+
+Numerics
+--------
+* float16/bfloat16/tfloat32 tiles are stored in their own precision; each
+  elementwise operation computes in float32 and rounds the result to the
+  tile's dtype (round to nearest even), as the GPU does.  float32 stays
+  float32.  Reductions and scans over 16-bit tiles combine partial results
+  pairwise and round every partial result, like a reduction tree on the
+  GPU (the GPU's exact combining order is not known, so the last bits can
+  differ).
+* ``ct.mma`` multiplies the operands exactly as stored and accumulates in
+  float32 (float64 for float64, int32 for int8).  float32 operands are NOT
+  rounded to tf32: for sm_90 the compiler lowers a float32 ``mma`` to FMA
+  instructions (``tileiras --remarks=tensorcore`` reports it).  Converting
+  the operands with ``.astype(ct.tfloat32)`` is what selects tensor cores;
+  the interpreter then rounds them to 10 mantissa bits, nearest-even.
+* Float to integer conversion truncates toward zero and saturates, NaN
+  becoming 0, as PTX's conversion instructions do (the GPU test
+  ``test_gpu_semantics_probe`` checks this and other exact results).
+
+Memory
+------
+``ct.load`` copies the tile; elements outside the array are padded per
+``padding_mode``.  ``PaddingMode.UNDETERMINED`` (the default) pads floats
+with NaN and integers with their most negative value (booleans with True),
+so a kernel that lets undetermined padding reach a result is caught.
+``ct.store`` drops out-of-bounds elements.  A tile lying entirely outside
+the array, or a partial tile with ``check_bounds=False``, is undefined
+behaviour on the GPU and an error here.  Hints (``latency``,
+``allow_tma``, memory order/scope) are accepted and ignored.
+
+Errors
+------
+Mistakes the compiler would reject, and undefined behaviour we can detect,
+raise `KernelTypeError` / `KernelValueError` (subclasses of TypeError and
+ValueError) whose message starts with the kernel's file, line and function,
+e.g. ``kernel.py:42 in chunk_cumsum: ct.load shape (48,) must be powers of
+two``.  The line is found by walking the stack past every frame in this
+package's files and in cuda.tile.
+
+Not emulated: atomics, gather/scatter, advanced indexing, tiled views and
+``Array.slice``, foreign pointers, float8/float4 and unsigned types other
+than uint8, rounding modes other than the default, flush-to-zero (ignored),
+``ct.float32(x)``-style dtype calls, and Python's builtin ``min``/``max`` on
+multi-element tiles (cuTile makes them elementwise; use ``ct.minimum`` /
+``ct.maximum``).  There is no timing and no concurrency: blocks run one at a
+time, x fastest, then y, then z.
+"""
+
+# Every operation module is imported so that registry.OPS is complete.
+from . import arithmetic, creation, debug, memory, mma, reductions, shapes  # noqa: F401
+from .errors import (
+    KernelAssertionError,
+    KernelError,
+    KernelTypeError,
+    KernelValueError,
+    UnsupportedOperation,
+)
+from .runner import is_interpreting, launch
+from .values import Array, Tile
+
+__all__ = [
+    "Array",
+    "KernelAssertionError",
+    "KernelError",
+    "KernelTypeError",
+    "KernelValueError",
+    "Tile",
+    "UnsupportedOperation",
+    "is_interpreting",
+    "launch",
+]

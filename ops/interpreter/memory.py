@@ -1,0 +1,167 @@
+"""Memory: ct.load, ct.store and ct.num_tiles, with padding and bounds checks."""
+
+import math
+
+import torch
+
+import cuda.tile as ct
+from cuda.tile import MemoryOrder, MemoryScope, PaddingMode
+
+from ..cutile_internals import is_boolean, is_float, is_signed, promote_dtypes
+from .arguments import as_int, as_tile, axis_index, check_shape, int_tuple
+from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage
+from .errors import KernelTypeError, KernelValueError
+from .registry import emulates
+from .values import Array, Tile
+
+
+def _require_array(op, array):
+    if not isinstance(array, Array):
+        raise KernelTypeError(f"{op}: the first argument must be a kernel array argument, "
+                              f"got {type(array).__name__}")
+    return array
+
+
+def _axis_order(op, order, ndim):
+    """Normalize ``order`` ("C", "F" or a permutation) to a tuple of axes."""
+    if order == "C":
+        return tuple(range(ndim))
+    if order == "F":
+        return tuple(reversed(range(ndim)))
+    perm = tuple(as_int(op, a, "order") % ndim if ndim else 0 for a in order)
+    if sorted(perm) != list(range(ndim)):
+        raise KernelTypeError(f"{op}: order {order} is not a permutation of {ndim} axes")
+    return perm
+
+
+def _array_view(array, order):
+    """The array with its axes permuted by `order`: the space the tile index lives in."""
+    if order == tuple(range(array.ndim)):
+        return array._t
+    return array._t.permute(order)
+
+
+def _tile_region(op, space_shape, index, tile_shape, check_bounds):
+    """Slices of the array and of the tile that overlap, for tile `index`.
+
+    Returns (array_slices, tile_slices); tile_slices is None when the whole
+    tile is inside the array.
+    """
+    array_slices, tile_slices, partial = [], [], False
+    for i, size, extent in zip(index, tile_shape, space_shape):
+        start = i * size
+        stop = min(start + size, extent)
+        if i < 0 or start >= extent:
+            raise KernelValueError(
+                f"{op}: tile index {tuple(index)} with tile shape {tuple(tile_shape)} lies "
+                f"entirely outside the array of shape {tuple(space_shape)} "
+                "(undefined behaviour on the GPU)")
+        partial |= stop - start < size
+        array_slices.append(slice(start, stop))
+        tile_slices.append(slice(0, stop - start))
+    if partial and not check_bounds:
+        raise KernelValueError(
+            f"{op}: check_bounds=False but tile {tuple(index)} of shape {tuple(tile_shape)} "
+            f"extends past the array of shape {tuple(space_shape)} (undefined behaviour)")
+    return tuple(array_slices), (tuple(tile_slices) if partial else None)
+
+
+def _padding_value(op, mode, dtype):
+    if mode is PaddingMode.ZERO:
+        return 0
+    if mode is PaddingMode.UNDETERMINED:
+        # Any value is allowed; pick one that cannot go unnoticed.
+        if is_float(dtype):
+            return math.nan
+        if is_boolean(dtype):
+            return True
+        info = torch.iinfo(storage(dtype))
+        return info.min if is_signed(dtype) else info.max
+    if not is_float(dtype):
+        raise KernelTypeError(f"{op}: padding_mode {mode} needs a floating-point array, "
+                              f"got {dtype}")
+    return {PaddingMode.NEG_ZERO: -0.0, PaddingMode.NAN: math.nan,
+            PaddingMode.POS_INF: math.inf, PaddingMode.NEG_INF: -math.inf}[mode]
+
+
+def _index(op, array, index):
+    index = int_tuple(op, index, "index")
+    if len(index) != array.ndim:
+        raise KernelTypeError(f"{op}: index {index} has {len(index)} entries but the array "
+                              f"has rank {array.ndim}")
+    return index
+
+
+@emulates("load")
+def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERMINED,
+         check_bounds=True, latency=None, allow_tma=None,
+         memory_order=MemoryOrder.WEAK, memory_scope=MemoryScope.NONE):
+    op = "ct.load"
+    array = _require_array(op, array)
+    index = _index(op, array, index)
+    shape = int_tuple(op, shape, "shape")
+    if len(shape) not in (0, array.ndim):
+        raise KernelTypeError(f"{op}: shape {shape} has {len(shape)} dimensions but the "
+                              f"array has rank {array.ndim}")
+    check_shape(op, shape)
+    full_shape = shape or (1,) * array.ndim  # a 0-d load reads a 1x..x1 tile
+    view = _array_view(array, _axis_order(op, order, array.ndim))
+    region, inside = _tile_region(op, view.shape, index, full_shape, check_bounds)
+    if inside is None:
+        data = view[region].clone()  # a copy: later stores must not change this tile
+    else:
+        fill = _padding_value(op, padding_mode, array.dtype)
+        data = torch.full(full_shape, fill, dtype=view.dtype)
+        data[inside] = view[region]
+    return Tile(data.reshape(shape), array.dtype)
+
+
+def _check_implicit_cast(op, value, dtype):
+    """A store may widen (bf16 tile -> f32 array) but never narrow implicitly."""
+    if isinstance(value, Tile):
+        try:
+            ok = promote_dtypes(value.dtype, dtype) == dtype
+        except ct.TileError:
+            ok = False
+        if not ok:
+            raise KernelTypeError(f"{op}: cannot implicitly cast a {value.dtype} tile to "
+                                  f"the {dtype} array; use .astype({dtype}) first")
+        return
+    value_kind = kind(dtype_of_scalar(value))
+    if value_kind > kind(dtype) or (is_boolean(dtype) and value not in (0, 1)):
+        raise KernelTypeError(f"{op}: cannot implicitly cast {value!r} to {dtype}")
+    if value_kind == 1 and kind(dtype) == 1:
+        info = torch.iinfo(storage(dtype))
+        if not info.min <= value <= info.max:
+            raise KernelTypeError(f"{op}: {value} is out of range of {dtype}")
+
+
+@emulates("store")
+def store(array, /, index, tile, *, order="C", check_bounds=True, latency=None,
+          allow_tma=None, memory_order=MemoryOrder.WEAK, memory_scope=MemoryScope.NONE):
+    op = "ct.store"
+    array = _require_array(op, array)
+    index = _index(op, array, index)
+    if not isinstance(tile, Tile) and not is_scalar(tile):
+        raise KernelTypeError(f"{op}: can only store a tile or a scalar, got {type(tile).__name__}")
+    _check_implicit_cast(op, tile, array.dtype)
+    data = as_tile(tile)
+    data = convert(data._t, data.dtype, array.dtype)
+    if data.dim() == 0:
+        data = data.reshape((1,) * array.ndim)  # scalars are stored as 1x..x1 tiles
+    elif data.dim() != array.ndim:
+        raise KernelTypeError(f"{op}: a {data.dim()}-d tile cannot be stored into a "
+                              f"{array.ndim}-d array; the ranks must match")
+    view = _array_view(array, _axis_order(op, order, array.ndim))
+    region, inside = _tile_region(op, view.shape, index, data.shape, check_bounds)
+    view[region] = data if inside is None else data[inside]
+
+
+@emulates("num_tiles")
+def num_tiles(array, /, axis, shape, order="C"):
+    op = "ct.num_tiles"
+    array = _require_array(op, array)
+    shape = int_tuple(op, shape, "shape") or (1,) * array.ndim
+    extent = _array_view(array, _axis_order(op, order, array.ndim)).shape
+    axis = axis_index(op, axis, array.ndim)
+    return -(-extent[axis] // shape[axis])
