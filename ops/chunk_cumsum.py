@@ -47,7 +47,7 @@ import cuda.tile as ct
 
 from .configs import resolve_config, unique, with_hints
 from .launch import Plan, fit_index_width, run
-from .utils import (LOG2E, ConstBool, ConstInt, cdiv, check_chunk_size, is_pow2_in, latency_hint,
+from .utils import (LOG2E, ZERO, ConstBool, ConstInt, cdiv, check_chunk_size, is_pow2_in, latency_hint,
                     new_output, next_pow2)
 
 
@@ -77,11 +77,11 @@ def chunk_cumsum_kernel(
     # order=(0, 2, 1) views dt as (batch, nheads, seqlen): the tile comes out (BLOCK_H, CHUNK).
     # Zero padding covers the tokens past seqlen and heads past nheads (both are discarded).
     dtv = ct.load(dt, (b, hb, c), shape=(1, BLOCK_H, CHUNK), order=(0, 2, 1),
-                  padding_mode=ct.PaddingMode.ZERO, latency=latency_hint(LOAD_LAT))
+                  padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
     dtv = ct.reshape(dtv, (BLOCK_H, CHUNK)).astype(ct.float32)
 
     if HAS_DT_BIAS:
-        bias = ct.load(dt_bias, (hb,), shape=(BLOCK_H,), padding_mode=ct.PaddingMode.ZERO)
+        bias = ct.load(dt_bias, (hb,), shape=(BLOCK_H,), padding_mode=ZERO)
         dtv = dtv + bias.astype(ct.float32)[:, None]
     if DT_SOFTPLUS:
         # softplus(v) = log(1 + exp(v)). For very negative v, 1 + exp(v) rounds to 1 and the
@@ -102,7 +102,7 @@ def chunk_cumsum_kernel(
     pos = c * CHUNK + ct.arange(CHUNK, dtype=ct.int32)
     dtv = ct.where(pos[None, :] < seqlen, dtv, 0.0)
 
-    a = ct.load(A, (hb,), shape=(BLOCK_H,), padding_mode=ct.PaddingMode.ZERO)
+    a = ct.load(A, (hb,), shape=(BLOCK_H,), padding_mode=ZERO)
     a_log2 = a.astype(ct.float32) * LOG2E
     dA = ct.cumsum(dtv * a_log2[:, None], axis=1)
 

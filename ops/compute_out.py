@@ -278,9 +278,7 @@ def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BL
             cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
         else:
             for k in range(DSTATE // DSTATE_TILE):
-                c_k = ct.reshape(ct.load(C, (b, row_tile, g, k),
-                                         shape=(1, BLOCK_M, 1, DSTATE_TILE), padding_mode=ZERO,
-                                         latency=lat), (BLOCK_M, DSTATE_TILE))
+                c_k = load_c_rows(C, b, row_tile, g, k, BLOCK_M, DSTATE_TILE, LOAD_LAT)
                 b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
                                          shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
                                          latency=lat), (BLOCK_K, DSTATE_TILE)).astype(C.dtype)
@@ -348,7 +346,8 @@ def compute_out_kernel(
 
 
 def head_blocks(x, HB):
-    """How many blocks of HB heads x's heads make."""
+    """How many blocks of HB heads x's heads make. (One head is written apart here and below, for
+    ``g``: no division or product by 1, so the one-head code is exactly that of a one-head kernel.)"""
     return x.shape[2] if HB == 1 else x.shape[2] // HB
 
 
@@ -563,7 +562,7 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
                 if occ is None:
                     continue
                 if hb == 1:
-                    # 3 is the kernel's own hint on sm_90: keep None (the default) for it.
+                    # 3 is the plan's hint on sm_90 (occupancy_hint): keep None for it.
                     configs.append({**cfg, "occupancy": None if occ == 3 else occ})
                 elif hb == 2:
                     # The compiler's register allocation is harder to predict here (it picks
@@ -597,7 +596,7 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
     kept += [c for c in steady if fits(c, **kw)]
     # Eight worker warps instead of the compiler's four: each block's tiles are split over more
     # threads, so each needs fewer registers. On sm_90 two heads per block then need 80 registers
-    # per thread instead of 128 (the cap), and four heads spill less (python -m ops.sass).
+    # per thread instead of 128 (the cap), and four heads spill less (python -m ops.tools.sass).
     # Blocks of 384 threads: at most two per multiprocessor at that register count.
     wide = [{**base, "occupancy": 2}]
     if 2 in heads:

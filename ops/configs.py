@@ -3,7 +3,8 @@
 
 Every kernel module exposes ``default_config(**shape)`` (the kernel as first written and
 measured) and ``search_space(**shape)`` (the variants worth timing for that shape); its
-``*_plan`` takes ``config=`` and returns the kernel with the config's compiler hints applied.
+``*_plan`` takes ``config=`` and returns an ``ops.launch.Plan`` whose kernel carries the config's
+compiler hints.
 ``shape`` is one dict of problem sizes shared by the modules (each takes what it needs and
 ignores the rest): batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size, dtype (x's) and
 optionally states_dtype (defaults to dtype, as in ops.forward).
@@ -30,7 +31,9 @@ def with_hints(kernel, config):
 
 
 def _hashable(value):
-    """A hint value as a dict key: a ``ct.ByTarget`` (unhashable) by identity."""
+    """A hint value as a dict key: a ``ct.ByTarget`` (unhashable) by identity, so pass one
+    module-level object (as compute_out does), not a new one per call: each new object would
+    make (and compile) a kernel of its own."""
     try:
         hash(value)
         return value

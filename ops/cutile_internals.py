@@ -25,6 +25,7 @@ Exports:
   ``ct.TileError`` for pairs it does not promote implicitly).
 """
 
+import importlib
 import re
 
 import cuda.tile as ct
@@ -46,36 +47,26 @@ def check_version(version):
 
 check_version(ct.__version__)
 
-# Imported after the version check, so that a release without these modules gets its message.
-from cuda.tile import _stub as stub_module  # noqa: E402
-from cuda.tile._datatype import (  # noqa: E402
-    is_arithmetic,
-    is_boolean,
-    is_float,
-    is_integral,
-    is_signed,
-    promote_dtypes,
-)
-from cuda.tile._dispatch_mode import DispatchMode  # noqa: E402
-from cuda.tile._stub import ScalarAnnotation  # noqa: E402
+# What only the CPU interpreter needs is imported on first use (after the version check): the GPU
+# path (kernel_function, kernel_hints) then depends on no private module of cuda.tile.
+_LAZY = {
+    "stub_module": ("cuda.tile._stub", None),
+    "ScalarAnnotation": ("cuda.tile._stub", "ScalarAnnotation"),
+    "DispatchMode": ("cuda.tile._dispatch_mode", "DispatchMode"),
+    **{name: ("cuda.tile._datatype", name) for name in (
+        "is_arithmetic", "is_boolean", "is_float", "is_integral", "is_signed", "promote_dtypes")},
+}
 
-__all__ = [
-    "DispatchMode",
-    "SUPPORTED_RANGE",
-    "ScalarAnnotation",
-    "check_version",
-    "is_arithmetic",
-    "is_boolean",
-    "is_float",
-    "is_integral",
-    "is_signed",
-    "is_stub",
-    "kernel_function",
-    "kernel_hints",
-    "promote_dtypes",
-    "stub_module",
-    "stub_name",
-]
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    value = importlib.import_module(module_name)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value          # later look-ups find it directly
+    return value
 
 
 def _require_kernel(kernel):
@@ -103,4 +94,4 @@ def is_stub(func):
 def stub_name(func):
     """The name of API stub `func` in `stub_module` ("load", "Tile.item"), or None for a stub
     defined elsewhere in cuda.tile."""
-    return func.__qualname__ if func.__module__ == stub_module.__name__ else None
+    return func.__qualname__ if func.__module__ == __getattr__("stub_module").__name__ else None

@@ -23,7 +23,7 @@ from . import fwd_pass_state as fwd_pass_state_module
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
-from .utils import check_sizes
+from .utils import as_int32, check_sizes
 
 # Tests set this to NaN-fill every output buffer before the kernels write it, so an element a
 # kernel misses shows up; left off, the buffers are uninitialised (no extra memory traffic).
@@ -89,8 +89,7 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     unknown = set(configs) - set(KERNELS)
     if unknown:
         raise ValueError(f"configs for unknown kernels {sorted(unknown)}; expected {tuple(KERNELS)}")
-    if seq_idx is not None and seq_idx.dtype != torch.int32:
-        seq_idx = seq_idx.to(torch.int32)   # ids are small; the kernels compare int32
+    seq_idx = as_int32(seq_idx)          # ids are small; the kernels compare int32
     batch, seqlen, nheads, headdim = x.shape
     shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=B.shape[2],
                  dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype, states_dtype=x.dtype,

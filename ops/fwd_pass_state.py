@@ -275,8 +275,9 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     The block is latency-bound on its chunk-by-chunk loads with few blocks in flight, so the
     space varies what is in flight per block (CHUNKS_PER_ITER, latency hints), the number of
     blocks (headdim x dstate tiles of 32..64 x 64..128), the operand order of the product
-    (SWAP). Hints are tried on the default and on the
-    first two-chunk config that fits."""
+    (SWAP). Hints are tried on the default and on the first two-chunk config that fits. The
+    occupancies tried depend on the multiprocessor count of the current GPU (an H200's 132
+    without one), so the space, and the tuner's key, can differ between GPU models."""
     kw = dict(chunk_size=chunk_size, dtype=dtype)
     base = default_config(headdim=headdim, dstate=dstate, dtype=dtype, **shape)
     tiles = [(base["BLOCK_P"], base["BLOCK_N"])]
@@ -302,7 +303,7 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     blocks = lambda bp, bn: (shape.get("batch", 1) * shape.get("nheads", 1)
                              * (headdim // bp) * (dstate // bn))
     narrow = [(bp, bn) for bp, bn in ((64, 32),) if bp <= headdim and bn <= dstate]
-    sms = multiprocessors()      # only prunes the occupancies tried; the tuner measures the rest
+    sms = multiprocessors()      # the current GPU's (132 without one): prunes occupancies only
     for bp, bn in tiles[1:] + narrow:      # 64 x 32: 32 dstate columns, x read from L2 again
         n = blocks(bp, bn)
         if n <= blocks(base["BLOCK_P"], base["BLOCK_N"]):

@@ -1,7 +1,9 @@
 """One entry point for launching the project's cuTile kernels on a GPU or a CPU.
 
-Every wrapper in ``ops/`` calls ``launch(grid, kernel, args)``.  Where the
-tensor arguments live decides how the kernel runs:
+Every kernel module builds its launch as a ``Plan`` (grid, kernel, arguments,
+output buffers, and the launches it needs first) and its wrapper runs it with
+``run(plan)``, which calls ``launch(grid, kernel, args)``.  Where the tensor
+arguments live decides how the kernel runs:
 
 * CUDA tensors: compiled and run on the GPU with ``ct.launch`` on torch's
   current stream;
@@ -70,7 +72,7 @@ def kernel_source(kernel):
 # The kernels annotate their sequence-long arrays ``ct.IndexedWithInt64`` so that element offsets
 # past 2**31 (x of a 512K-token, 80-head layer) are computed in 64 bits. That costs more than a few
 # integer instructions: the compiler does not use the TMA copy engine for 64-bit-indexed arrays
-# (it falls back to cp.async loads; see ``python -m ops.sass``). So every launch whose tensors are
+# (it falls back to cp.async loads; see ``python -m ops.tools.sass``). So every launch whose tensors are
 # all small enough runs a twin of the kernel with the annotation removed: same function, same
 # source lines, 32-bit indices.
 
@@ -103,8 +105,8 @@ def fit_index_width(kernel, args, force_int64=False):
 class Plan(NamedTuple):
     """One kernel launch, built but not run: what every kernel module's ``*_plan`` returns.
 
-    ``outputs`` are the buffers the launch fills (allocated by the plan); ``before`` holds the
-    plans that must run first (compute_out's C B^T from memory needs ``chunk_scores``)."""
+    ``outputs`` are the buffers the launch fills; ``before`` holds the plans that must run first
+    (compute_out's C B^T from memory needs ``chunk_scores``)."""
     grid: tuple
     kernel: object
     args: tuple

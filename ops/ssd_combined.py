@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .checks import check_chunk_size, check_sizes
+
 BACKENDS = ("auto", "reference", "interpret", "cutile")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernels accept for x, B, C, z
 
@@ -79,7 +81,6 @@ def cutile_supported(device):
 
 def kernels_take(headdim, dstate):
     """Whether the kernels tile these sizes (their own check: powers of two in range)."""
-    from .utils import check_sizes
     try:
         check_sizes(headdim, dstate)
     except ValueError:
@@ -152,7 +153,6 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
     if B.dtype != x.dtype:
         raise TypeError(f"B and C must have x's dtype ({x.dtype}); got {B.dtype}")
 
-    from .utils import check_chunk_size    # (ops.utils needs cuda.tile: imported when used)
     check_chunk_size(chunk_size)
 
     if D is not None:

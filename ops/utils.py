@@ -2,13 +2,18 @@
 
 Each kernel module (``chunk_cumsum``, ``fwd_pass_state``, ``chunk_scores``, ``compute_out``)
 imports from here and from ``ops.configs``, never from another kernel module (compute_out's
-optional first step, ``chunk_scores``, aside).
+optional first step, ``chunk_scores``, aside). The size checks and integer helpers live in
+``ops.checks`` (no cuda.tile needed, so the public entry point's input checks run without it)
+and are re-exported here.
 """
 import math
 
 import torch
 
 import cuda.tile as ct
+
+from .checks import (cdiv, check_chunk_size, check_groups, check_sizes,  # noqa: F401
+                     is_pow2_in, next_pow2)
 
 # Annotations of compile-time constant kernel parameters: each value compiles its own variant.
 ConstInt = ct.Constant[int]
@@ -32,22 +37,6 @@ def latency_hint(value):
 
 
 # Host-side helpers ------------------------------------------------------------------------------
-
-def cdiv(a, b):
-    """ceil(a / b) for positive ints."""
-    return -(-a // b)
-
-
-def next_pow2(n):
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def is_pow2_in(value, lo, hi):
-    """Whether ``value`` is an int power of two in [lo, hi]."""
-    return (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
-            and value & (value - 1) == 0)
-
 
 def element_size(dtype):
     """Bytes per element of a torch dtype."""
@@ -79,27 +68,3 @@ def as_int32(seq_idx):
     if seq_idx is not None and seq_idx.dtype != torch.int32:
         return seq_idx.to(torch.int32)
     return seq_idx
-
-
-# Checks of what the kernels can tile ------------------------------------------------------------
-
-def check_chunk_size(chunk_size):
-    """The chunk is a tile dimension: a power of two, at most 256 (the kernels' tiles)."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int; got {type(chunk_size).__name__}")
-    if not is_pow2_in(chunk_size, 16, 256):
-        raise ValueError(f"chunk_size must be a power of two in [16, 256]; got {chunk_size}")
-
-
-def check_sizes(headdim, dstate):
-    """headdim and dstate become tile dimensions, which must be powers of two."""
-    if not is_pow2_in(headdim, 16, 128):
-        raise ValueError(f"headdim must be a power of two in [16, 128], got {headdim}")
-    if not is_pow2_in(dstate, 16, 512):
-        raise ValueError(f"dstate must be a power of two in [16, 512], got {dstate}")
-
-
-def check_groups(nheads, ngroups):
-    """Every group serves the same number of heads."""
-    if nheads % ngroups:
-        raise ValueError(f"nheads ({nheads}) must be a multiple of ngroups ({ngroups})")

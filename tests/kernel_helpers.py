@@ -59,6 +59,7 @@ import torch
 from ops import chunk_cumsum as cumsum_mod
 from ops import compute_out as out_mod
 from ops import fwd_pass_state as state_mod
+from ops.checks import cdiv
 from ops.forward import KERNELS
 from ops.tools.aot import ARCHS, compile_cubin
 from ops.tools.plans import meta_plan
@@ -253,7 +254,7 @@ def meta_inputs(v):
     (a dict with dtype, chunk, p (headdim), n (dstate) and seq)."""
     x = meta(BATCH, SEQLEN, NHEADS, v["p"], dtype=v["dtype"])
     B = meta(BATCH, SEQLEN, NGROUPS, v["n"], dtype=v["dtype"])
-    nchunks = -(-SEQLEN // v["chunk"])
+    nchunks = cdiv(SEQLEN, v["chunk"])
     dt_out, dA = meta(BATCH, NHEADS, nchunks, v["chunk"]), meta(BATCH, NHEADS, nchunks, v["chunk"])
     seq = meta(BATCH, SEQLEN, dtype=torch.int32) if v["seq"] else None
     return x, B, dt_out, dA, seq

@@ -40,6 +40,7 @@ import torch
 
 import cuda.tile as ct
 from ops import compute_out as out_mod
+from ops.checks import cdiv
 from ops.compute_out import ONE_HEAD_OCCUPANCY, compute_out, compute_out_kernel, compute_out_plan
 from ops.cutile_internals import kernel_function, kernel_hints
 from ops.launch import fit_index_width, run
@@ -171,6 +172,21 @@ def test_persistent_blocks_loop_over_tiles(device, hb, monkeypatch):
     check(run_out, "bf16", config, device)
 
 
+@pytest.mark.parametrize("hb, occupancy, resident", [(1, None, 3), (2, None, 1), (4, None, 1),
+                                                     (1, 2, 2), (2, 2, 2), (4, 1, 1)])
+def test_persistent_grid_holds_the_blocks_the_register_budget_assumes(hb, occupancy, resident):
+    """One count of blocks per multiprocessor serves the register budget (``fits``) and the
+    persistent grid: the config's occupancy, else 3 for one head per block (the sm_90 hint),
+    else 1. (Before the kernels were merged the persistent grid assumed 2 for several heads.)"""
+    shape = dict(batch=1, seqlen=65536, nheads=8, headdim=64, ngroups=1, dstate=128,
+                 chunk_size=256, dtype=torch.bfloat16)
+    config = {"PERSISTENT": True, "HEADS_PER_BLOCK": hb, "occupancy": occupancy}
+    cfg = {**out_mod.default_config(**shape), **config}
+    assert out_mod.resident_blocks(cfg) == resident
+    plan = meta_plan("compute_out", **shape, config=config)
+    assert plan.grid == (132 * resident, 1)          # meta tensors: an H200's 132 multiprocessors
+
+
 def test_scores_in_memory_plans_their_first_step():
     """With SCORES_IN_MEMORY the plan carries a (batch, nchunks, ngroups, CHUNK, CHUNK) float32
     scores buffer and its ``before`` holds the chunk_scores launch filling it, in the same tiles
@@ -234,7 +250,7 @@ def test_compile_chunk_scores(dstate, arch):
     """compute_out's optional first step (SCORES_IN_MEMORY), in the tiles compute_out reads."""
     from ops.chunk_scores import chunk_scores_plan
     B = meta(BATCH, SEQLEN, NGROUPS, dstate, dtype=torch.bfloat16)
-    scores = meta(BATCH, -(-SEQLEN // 256), NGROUPS, 256, 256)
+    scores = meta(BATCH, cdiv(SEQLEN, 256), NGROUPS, 256, 256)
     assert compiles(chunk_scores_plan(B, B, scores, 64, 64, min(dstate, 128)), arch)
 
 

@@ -15,6 +15,7 @@ import inspect
 
 import torch
 
+from ..checks import cdiv
 from ..forward import KERNELS
 
 # A Mamba-2 layer of a ~2.7B model at a long context: batch 1, 16K tokens, 80 heads of 64,
@@ -43,7 +44,7 @@ def meta_plan(name, *, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_si
     no z (Mamba-2 gates in its norm). ``options`` go to the ``*_plan`` function, e.g.
     ``block_m=128`` or ``config={...}``."""
     plan = plan_function(name)
-    nchunks = -(-seqlen // chunk_size)
+    nchunks = cdiv(seqlen, chunk_size)
 
     def meta(*shape, dt=torch.float32):
         return torch.empty(shape, dtype=dt, device="meta")

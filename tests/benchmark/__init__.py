@@ -3,3 +3,4 @@
 import pathlib
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"   # the committed measurements
+OUTPUT = RESULTS.parents[2] / "bench_out"                        # new runs (ignored by git)

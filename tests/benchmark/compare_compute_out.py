@@ -4,7 +4,7 @@ The one-head and several-heads compute_out kernels became one kernel (HEADS_PER_
 constant) after commit d059689. This script checks what that changed, against the ``ops``
 package of the earlier commit checked out beside this one (loaded under the name ``ops_before``):
 
-    git archive d059689 ops | tar -x -C .old             # the earlier package in .old/ops
+    mkdir -p .old && git archive d059689 ops | tar -x -C .old   # the earlier package: .old/ops
     python tests/benchmark/compare_compute_out.py --before .old/ops --sass sm_90 --csv S.csv
     python tests/benchmark/compare_compute_out.py --before .old/ops \
         --cache tests/benchmark/results/autotune_h200.json --also S.csv --csv T.csv
@@ -41,6 +41,7 @@ import time
 
 import torch
 
+from ops.checks import cdiv
 from ops.compute_out import compute_out_plan, default_config, search_space
 from ops.launch import run
 
@@ -102,7 +103,7 @@ def meta_tensors(seqlen, dstate, features):
     with ``features`` D per headdim column, z and seq_idx (every optional input)."""
     b, h, p, g, chunk = (SHAPE[k] for k in ("batch", "nheads", "headdim", "ngroups", "chunk_size"))
     meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
-    nchunks = -(-seqlen // chunk)
+    nchunks = cdiv(seqlen, chunk)
     x = meta(b, seqlen, h, p, dt=SHAPE["dtype"])
     B = meta(b, seqlen, g, dstate, dt=SHAPE["dtype"])
     tensors = (x, B, B, meta(b, h, nchunks, chunk), meta(b, h, nchunks, chunk),

@@ -32,11 +32,9 @@ os.environ.setdefault("CUDA_TILE_CACHE_DIR", "off")   # measure compiles, not ca
 
 import torch
 
-from ops import chunk_cumsum, compute_out, fwd_pass_state
+from ops.forward import KERNELS
 from ops.tools.plans import SHAPE, representative_plan
 
-KERNELS = {"chunk_cumsum": chunk_cumsum, "fwd_pass_state": fwd_pass_state,
-           "compute_out": compute_out}
 # ops.tools.plans' representative layer, in the keys the kernel modules' config functions take.
 LAYER = dict({k: v for k, v in SHAPE.items() if k not in ("chunk", "dstate")},
              chunk_size=SHAPE["chunk"], dtype=torch.bfloat16)

@@ -26,7 +26,8 @@ import os
 import time
 
 
-KERNELS = ("chunk_cumsum", "fwd_pass_state", "compute_out")
+# ops.forward.KERNELS' names, known without importing torch (to parse the arguments)
+KERNEL_NAMES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 
 
 def _inputs(seqlen, dstate, nheads, headdim, ngroups):
@@ -39,7 +40,7 @@ def _inputs(seqlen, dstate, nheads, headdim, ngroups):
 
 def _tasks(args):
     import torch
-    from ops.forward import KERNELS
+    from ops import forward
     tasks, tilegym = [], []
     for chunk in args.chunks:
         for dstate in args.dstates:
@@ -50,7 +51,7 @@ def _tasks(args):
                 for name in args.kernels:
                     if name == "chunk_cumsum" and dstate != args.dstates[0]:
                         continue        # it never sees dstate: one set of compiles serves all
-                    for cfg in KERNELS[name].search_space(**shape):
+                    for cfg in forward.KERNELS[name].search_space(**shape):
                         tasks.append((name, seqlen, dstate, chunk, cfg))
         if args.tilegym:
             tilegym += [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
@@ -131,7 +132,7 @@ def main(argv=None):
     ap.add_argument("--tilegym", action="store_true", help="also warm TileGym's kernels (see above)")
     ap.add_argument("--tilegym-parts", type=int, default=8,
                     help="processes sharing one shape's TileGym configs (each compiles every n-th)")
-    ap.add_argument("--kernels", default=",".join(KERNELS),
+    ap.add_argument("--kernels", default=",".join(KERNEL_NAMES),
                     help="which of our kernels to warm (comma-separated; 'none' with --tilegym "
                          "for TileGym's alone)")
     ap.add_argument("--procs", type=int, default=min(12, os.cpu_count() or 1))
@@ -140,9 +141,9 @@ def main(argv=None):
     args.seqlens = [int(v) for v in args.seqlens.split(",")]
     args.chunks = [int(v) for v in args.chunks.split(",")]
     args.kernels = [k for k in args.kernels.split(",") if k and k != "none"]
-    unknown = set(args.kernels) - set(KERNELS)
+    unknown = set(args.kernels) - set(KERNEL_NAMES)
     if unknown:
-        ap.error(f"--kernels: unknown {sorted(unknown)}; expected some of {', '.join(KERNELS)}")
+        ap.error(f"--kernels: unknown {sorted(unknown)}; expected some of {', '.join(KERNEL_NAMES)}")
 
     tasks = _tasks(args)
     # Interleave so every process gets a mix of kernels (compile times differ a lot).

@@ -37,3 +37,17 @@ def test_every_emulation_is_named_after_a_real_stub():
         for part in name.split("."):
             obj = getattr(obj, part)
         assert callable(obj), name
+
+
+def test_the_gpu_path_imports_no_private_module_by_name():
+    """Launching on a GPU needs kernel_function / kernel_hints only; what the interpreter needs
+    from cuda.tile's private modules is imported when the interpreter first asks for it."""
+    import subprocess
+    import sys
+    code = ("import ops.launch, ops.cutile_internals as ci; "
+            "print(sorted(n for n in ci._LAZY if n in vars(ci)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert cutile_internals.DispatchMode.__name__ == "DispatchMode"
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        cutile_internals.no_such_name
