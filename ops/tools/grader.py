@@ -123,6 +123,52 @@ EXERCISES = {
         tol=1e-5,       # fp16 operands, exact products, float32 sums of 64 terms
         hint="out = a @ b in float32: acc = ct.zeros((TM, TN), dtype=ct.float32), then for each "
              "of the K // TK tiles of the shared dimension acc = ct.mma(a_tile, b_tile, acc)"),
+    # The "your turn" exercises of notebooks 03-05: the heart of each kernel, one chunk.
+    # 03: dt processing and the decay cumsum, heads along the rows.
+    "dt_cumsum": Exercise(
+        inputs=lambda g, s: (_randn(g, TILE, 8) * 2, -torch.rand(8, generator=g) - 0.1,
+                             _randn(g, 8) * 0.5),
+        outputs=lambda dt, A, bias: [((8, TILE), torch.float32)],
+        run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 8)),
+        spec=lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1)
+                                  * 1.4426950408889634,),
+        tol=1e-5,       # float32 softplus and a 64-term running sum: a few ulps of the sum
+        hint="out[h, t] = sum over t' <= t of softplus(dt[t', h] + bias[h]) * A[h] * log2(e): load "
+             "dt transposed (order=(1, 0)) so heads are rows, add bias[:, None], softplus as "
+             "ct.log(1 + ct.exp(v)), multiply by A[:, None] * LOG2E, ct.cumsum along axis 1"),
+    # 04: one chunk folded into the state: one ct.mma.
+    "state_update": Exercise(
+        inputs=lambda g, s: (_randn(g, TILE, 16, dtype=torch.float16),
+                             _randn(g, TILE, 32, dtype=torch.float16), torch.rand(TILE, generator=g),
+                             _randn(g, 16, 32), torch.rand(1, generator=g)),
+        outputs=lambda x, B, w, state, decay: [(state.shape, torch.float32)],
+        run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 16, 32)),
+        spec=lambda x, B, w, state, decay: (decay * state + (x.float() * w[:, None]).t() @ B.float(),),
+        tol=1e-2,       # the weighted x may be rounded to float16 for the tensor cores (2^-11
+                        # relative per term, as the kernels do): over 64 terms of size ~1, a few
+                        # 1e-3 absolute
+        hint="out = decay * state + (x * w[:, None])^T @ B: weight x in float32, cast back to "
+             "x.dtype, then ct.mma(ct.transpose(xw), B_tile, ct.zeros((P, N), dtype=ct.float32)); "
+             "decay is a (1,) array: load it with shape=(1,)"),
+    # 05: the in-chunk term: C B^T, the causal decay, times dt, then @ x: two ct.mma.
+    "chunk_output": Exercise(
+        inputs=lambda g, s: (_randn(g, TILE, 32, dtype=torch.float16),
+                             _randn(g, TILE, 32, dtype=torch.float16),
+                             _randn(g, TILE, 16, dtype=torch.float16),
+                             torch.cumsum(-torch.rand(TILE, generator=g) * 0.1, 0),
+                             torch.rand(TILE, generator=g)),
+        outputs=lambda C, B, x, dA, dt: [((TILE, 16), torch.float32)],
+        run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 16, 32)),
+        spec=lambda C, B, x, dA, dt: (
+            (torch.where(torch.ones(TILE, TILE, dtype=torch.bool).tril(),
+                         C.float() @ B.float().t() * torch.exp2(dA[:, None] - dA[None, :]), 0.0)
+             * dt[None, :]) @ x.float(),),
+        tol=1e-2,       # the weights are rounded to float16 for the second product (2^-11
+                        # relative each), sums of up to 64 terms of size ~|C B^T| ~ 6
+        hint="y = (where(l >= s, C B^T * exp2(dA[l] - dA[s]), 0) * dt[s]) @ x: cb = ct.mma(C, "
+             "ct.transpose(B), zeros (CHUNK, CHUNK)); mask the exponent with ct.where and ct.arange "
+             "(-inf gives 0); weights = (cb * ct.exp2(expo) * dt[None, :]).astype(x.dtype); "
+             "ct.mma(weights, x, zeros (CHUNK, P))"),
 }
 
 
