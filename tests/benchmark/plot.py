@@ -54,7 +54,6 @@ def plot(source, out, title=None):
     chunk = report.ref_chunk(rows) if rows else report.REF_CHUNK
     several_chunks = len({r["chunk"] for r in rows}) > 1
     dstates = sorted({s[6] for s in pts})
-    seqlens = sorted({s[5] for s in pts})
     colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(dstates)}
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
@@ -66,26 +65,20 @@ def plot(source, out, title=None):
         panels.append((axes[1], "cutile", "cutile_default", "cutile: autotuned vs default configs",
                        "the default configs"))
     for ax, num, den, heading, den_name in panels:
-        drawn = False
+        drawn = Drawn()
         for n in dstates:
-            xs, ys = _series(pts, n, num, den, chunk)
-            if xs:
-                ax.plot(xs, ys, "o-", color=colors[n])
-                drawn = True
+            drawn.plot(ax, *_series(pts, n, num, den, chunk), n, f"both at chunk {chunk}", "-",
+                       colors, marker="o")
             if several_chunks:
-                xs, ys = _series(pts, n, num, den, "best")
-                if xs:
-                    ax.plot(xs, ys, "s--", color=colors[n], alpha=0.7, markersize=4)
+                drawn.plot(ax, *_series(pts, n, num, den, "best"), n, "each at its best chunk",
+                           "--", colors, marker="s", alpha=0.7, markersize=4)
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_title(heading)
         ax.set_ylabel(f"speedup over {den_name} (higher is better)")
-        styles = {f"both at chunk {chunk}": "-"}
-        if several_chunks:
-            styles["each at its best chunk"] = "--"
-        _finish(ax, seqlens, drawn, colors, styles)
+        drawn.finish(ax, colors)
 
     ax = axes[2]
-    drawn = False
+    drawn = Drawn()
     for impl in ("cutile", "triton", "tilegym"):
         for n in dstates:
             xs, ys = [], []
@@ -94,13 +87,11 @@ def plot(source, out, title=None):
                 if shape[6] == n and report.is_ok(r) and r.get("roofline_fraction") is not None:
                     xs.append(shape[5])
                     ys.append(r["roofline_fraction"])
-            if xs:
-                ax.plot(xs, ys, marker="o", markersize=3, linestyle=LINESTYLE[impl], color=colors[n])
-                drawn = True
+            drawn.plot(ax, xs, ys, n, impl, LINESTYLE[impl], colors, marker="o", markersize=3)
     ax.set_title(f"Roofline fraction at chunk {chunk}")
     ax.set_ylabel("roofline time / measured time (1.0 = hardware limit)")
     ax.set_ylim(bottom=0)
-    _finish(ax, seqlens, drawn, colors, LINESTYLE)
+    drawn.finish(ax, colors)
 
     if title is None and rows:
         r0 = rows[0]
@@ -114,22 +105,40 @@ def plot(source, out, title=None):
     return out
 
 
-def _finish(ax, seqlens, drawn, colors, styles):
-    """Axis, ticks and a compact legend: one entry per colour (dstate), one per line style."""
-    from matplotlib.lines import Line2D
-    ax.set_xscale("log", base=2)
-    if seqlens:
-        ax.set_xticks(seqlens)
-        ax.set_xticklabels([report.fmt_len(L) for L in seqlens])
+class Drawn:
+    """What one panel has drawn, so that its ticks and legend name only that: the sequence
+    lengths with a point, the dstates with a line, the line styles used."""
+
+    def __init__(self):
+        self.seqlens, self.dstates, self.styles = set(), set(), {}
+
+    def plot(self, ax, xs, ys, dstate, style_name, linestyle, colors, **kw):
+        if not xs:
+            return
+        ax.plot(xs, ys, linestyle=linestyle, color=colors[dstate], **kw)
+        self.seqlens.update(xs)
+        self.dstates.add(dstate)
+        self.styles[style_name] = linestyle
+
+    def finish(self, ax, colors):
+        """Axis, ticks and a compact legend: one entry per colour (dstate), one per line style."""
+        from matplotlib.lines import Line2D
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length L")
+        ax.grid(True, which="major", alpha=0.3)
+        if not self.seqlens:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center",
+                    color="gray")
+            return
+        ticks = sorted(self.seqlens)
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([report.fmt_len(L) for L in ticks])
         ax.minorticks_off()
-    ax.set_xlabel("sequence length L")
-    ax.grid(True, which="major", alpha=0.3)
-    if not drawn:
-        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="gray")
-        return
-    handles = [Line2D([], [], color=c, linewidth=3, label=f"dstate {n}") for n, c in colors.items()]
-    handles += [Line2D([], [], color="gray", linestyle=ls, label=name) for name, ls in styles.items()]
-    ax.legend(handles=handles, fontsize=7)
+        handles = [Line2D([], [], color=colors[n], linewidth=3, label=f"dstate {n}")
+                   for n in sorted(self.dstates)]
+        handles += [Line2D([], [], color="gray", linestyle=ls, label=name)
+                    for name, ls in self.styles.items()]
+        ax.legend(handles=handles, fontsize=7)
 
 
 def markdown(source):
