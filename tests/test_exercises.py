@@ -11,6 +11,7 @@ import pytest
 import cuda.tile as ct
 from ops.tools import grader
 from ops.tools.grader import EXERCISES, check
+from ops.utils import LOG2E
 
 NOTEBOOK_DIR = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
 # Skeletons: the warm-up notebook and the "your turn" cells of the tutorial; solutions apart.
@@ -34,7 +35,7 @@ def graded(source, name):
     results = []
     recording = lambda n, kernel: results.append(check(n, kernel)) or results[-1]
     namespace = {"ct": ct, "ConstInt": ct.Constant[int], "math": __import__("math"),
-                 "LOG2E": 1.4426950408889634}     # what the notebooks' setup cells define
+                 "LOG2E": LOG2E}                  # what the notebooks' setup cells define
     source = source.replace("from ops.tools.grader import grade\n", "")
     exec(compile(source, f"<exercise {name}>", "exec"), {**namespace, "grade": recording})
     assert len(results) == 1 and results[0].name == name

@@ -18,7 +18,9 @@ import re
 
 import torch
 
+from ..checks import cdiv
 from ..launch import launch
+from ..utils import LOG2E
 
 
 @dataclasses.dataclass
@@ -46,10 +48,6 @@ def _randn(gen, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def _cdiv(a, b):
-    return -(-a // b)
-
-
 TILE = 64           # the 1-d tile of the warm-up exercises
 TM, TN = 16, 32     # the 2-d tile
 
@@ -67,7 +65,7 @@ EXERCISES = {
     "add_vectors": Exercise(
         inputs=lambda g, s: (_randn(g, _vector_sizes(s)), _randn(g, _vector_sizes(s))),
         outputs=lambda a, b: [(a.shape, a.dtype)],
-        run=lambda k, i, o: launch(_cdiv(i[0].numel(), TILE), k, (*i, *o, TILE)),
+        run=lambda k, i, o: launch(cdiv(i[0].numel(), TILE), k, (*i, *o, TILE)),
         spec=lambda a, b: (a + b,),
         tol=1e-6,       # float32 addition, exact up to rounding
         hint="c = a + b: load tile ct.bid(0) of a and of b (shape=(TILE,)), store their sum; "
@@ -76,7 +74,7 @@ EXERCISES = {
     "scale_matrix": Exercise(
         inputs=lambda g, s: (_randn(g, *_matrix_sizes(s)),),
         outputs=lambda a: [(a.shape, a.dtype)],
-        run=lambda k, i, o: launch((_cdiv(i[0].shape[0], TM), _cdiv(i[0].shape[1], TN)), k,
+        run=lambda k, i, o: launch((cdiv(i[0].shape[0], TM), cdiv(i[0].shape[1], TN)), k,
                                    (*i, *o, 2.5, TM, TN)),
         spec=lambda a: (a * 2.5,),
         tol=1e-6,
@@ -86,7 +84,7 @@ EXERCISES = {
     "transpose": Exercise(
         inputs=lambda g, s: (_randn(g, *_matrix_sizes(s)),),
         outputs=lambda a: [((a.shape[1], a.shape[0]), a.dtype)],
-        run=lambda k, i, o: launch((_cdiv(i[0].shape[1], TM), _cdiv(i[0].shape[0], TN)), k,
+        run=lambda k, i, o: launch((cdiv(i[0].shape[1], TM), cdiv(i[0].shape[0], TN)), k,
                                    (*i, *o, TM, TN)),
         spec=lambda a: (a.t().contiguous(),),
         tol=0.0,        # a copy: exact
@@ -96,7 +94,7 @@ EXERCISES = {
     "row_cumsum": Exercise(
         inputs=lambda g, s: (_randn(g, {1: 4, 2: 16, 3: 20}[s], TILE),),
         outputs=lambda a: [(a.shape, a.dtype)],
-        run=lambda k, i, o: launch(_cdiv(i[0].shape[0], TM), k, (*i, *o, TM, TILE)),
+        run=lambda k, i, o: launch(cdiv(i[0].shape[0], TM), k, (*i, *o, TM, TILE)),
         spec=lambda a: (a.cumsum(1),),
         tol=1e-5,       # float32 sums of 64 terms in another order: a few ulps
         hint="out = a.cumsum(axis 1): one block loads TM whole rows (shape=(TM, N)) and "
@@ -131,7 +129,7 @@ EXERCISES = {
         outputs=lambda dt, A, bias: [((8, TILE), torch.float32)],
         run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 8)),
         spec=lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1)
-                                  * 1.4426950408889634,),
+                                  * LOG2E,),
         tol=1e-5,       # float32 softplus and a 64-term running sum: a few ulps of the sum
         hint="out[h, t] = sum over t' <= t of softplus(dt[t', h] + bias[h]) * A[h] * log2(e): load "
              "dt transposed (order=(1, 0)) so heads are rows, add bias[:, None], softplus as "
