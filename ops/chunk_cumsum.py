@@ -32,6 +32,10 @@ The layout of the outputs
     without a ragged end (the padding holds dt = 0, which makes those tokens inert). A block of
     this kernel writes its (BLOCK_H, chunk_size) result as BLOCK_H contiguous segments.
 
+Indexing
+    Sequence-long arrays are ``ct.IndexedWithInt64`` (64-bit offsets); below 2**31 elements
+    ``ops.launch.fit_index_width`` runs the kernel's 32-bit twin instead (notebook 06).
+
 Tunables (``default_config`` / ``search_space``)
     BLOCK_H (heads per block), LOAD_LAT / STORE_LAT (latency hints on the dt load and the two
     stores; 0 = none), and the compiler hint occupancy (applied with ``kernel.replace_hints``;
@@ -67,8 +71,6 @@ def chunk_cumsum_kernel(
     LOAD_LAT: ConstInt,              # latency hint of the dt load, 1 (low) .. 10 (high); 0 = none
     STORE_LAT: ConstInt,             # latency hint of the two stores; 0 = none
 ):
-    # Large arrays are annotated IndexedWithInt64: their shapes, strides and tile indices are
-    # 64-bit, so offsets such as token * nheads * headdim cannot overflow for long sequences.
     c = ct.bid(0)       # chunk
     hb = ct.bid(1)      # block of BLOCK_H heads
     b = ct.bid(2)       # batch element

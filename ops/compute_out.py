@@ -82,6 +82,10 @@ C B^T from memory (SCORES_IN_MEMORY)
     ``ops/chunk_scores.py`` fills beforehand, once per chunk and group (the plan's ``before``
     holds that launch; ``ops.launch.run`` makes it first). The column loop then has one product instead of two.
 
+Indexing
+    Sequence-long arrays are ``ct.IndexedWithInt64`` (64-bit offsets); below 2**31 elements
+    ``ops.launch.fit_index_width`` runs the kernel's 32-bit twin instead (notebook 06).
+
 Tunables (``default_config`` / ``search_space``)
     Tiles (BLOCK_M, BLOCK_K, BLOCK_P, DSTATE_TILE), HEADS_PER_BLOCK, SWAP, SCORES_IN_MEMORY,
     PERSISTENT, LOAD_LAT / STORE_LAT (latency hints on the x, B, C, z and entry-state loads and on the output
@@ -196,18 +200,17 @@ def load_tokens(array, b, index, hb, pi, HB, BLOCK_T, BLOCK_P, SWAP, LOAD_LAT):
     SWAP, with a leading axis of HB heads when HB > 1. order= views the array with the heads
     axis first ((batch, nheads, seqlen, headdim), or (batch, nheads, headdim, seqlen)), so one
     load brings all HB heads, each already as the matrix the product or the epilogue wants."""
-    lat = latency_hint(LOAD_LAT)
     if SWAP:
         t = ct.load(array, (b, hb, pi, index), shape=(1, HB, BLOCK_P, BLOCK_T),
-                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=lat)
+                    order=(0, 2, 3, 1), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
         tile = ct.reshape(t, (BLOCK_P, BLOCK_T) if HB == 1 else (HB, BLOCK_P, BLOCK_T))
     elif HB == 1:
         t = ct.load(array, (b, index, hb, pi), shape=(1, BLOCK_T, 1, BLOCK_P), padding_mode=ZERO,
-                    latency=lat)
+                    latency=latency_hint(LOAD_LAT))
         tile = ct.reshape(t, (BLOCK_T, BLOCK_P))
     else:
         t = ct.load(array, (b, hb, index, pi), shape=(1, HB, BLOCK_T, BLOCK_P),
-                    order=(0, 2, 1, 3), padding_mode=ZERO, latency=lat)
+                    order=(0, 2, 1, 3), padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
         tile = ct.reshape(t, (HB, BLOCK_T, BLOCK_P))
     return tile
 
@@ -215,15 +218,15 @@ def load_tokens(array, b, index, hb, pi, HB, BLOCK_T, BLOCK_P, SWAP, LOAD_LAT):
 def store_tokens(out, b, index, hb, pi, tile, HB, BLOCK_T, BLOCK_P, SWAP, STORE_LAT):
     """Write ``tile`` (in ``load_tokens``' orientation) as BLOCK_T tokens of the HB heads, through
     the same views as the loads. Rows past seqlen fall outside the array and are dropped."""
-    lat = latency_hint(STORE_LAT)
     if SWAP:
         ct.store(out, (b, hb, pi, index), ct.reshape(tile, (1, HB, BLOCK_P, BLOCK_T)),
-                 order=(0, 2, 3, 1), latency=lat)
+                 order=(0, 2, 3, 1), latency=latency_hint(STORE_LAT))
     elif HB == 1:
-        ct.store(out, (b, index, hb, pi), ct.reshape(tile, (1, BLOCK_T, 1, BLOCK_P)), latency=lat)
+        ct.store(out, (b, index, hb, pi), ct.reshape(tile, (1, BLOCK_T, 1, BLOCK_P)),
+                 latency=latency_hint(STORE_LAT))
     else:
         ct.store(out, (b, hb, index, pi), ct.reshape(tile, (1, HB, BLOCK_T, BLOCK_P)),
-                 order=(0, 2, 1, 3), latency=lat)
+                 order=(0, 2, 1, 3), latency=latency_hint(STORE_LAT))
 
 
 def load_states(entry_states, b, c, hb, pi, k, dtype, HB, BLOCK_P, WIDTH, LOAD_LAT):
@@ -257,14 +260,14 @@ def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BL
     SCORES_IN_MEMORY it is loaded from the buffer chunk_scores filled (through a transposing
     order= with SWAP); otherwise it is formed on the tensor cores, from the resident C rows when
     dstate is one slice (``c_rows``; None otherwise), else slice by slice."""
-    lat = latency_hint(LOAD_LAT)
     if SCORES_IN_MEMORY:
         if SWAP:
             t = ct.load(scores, (b, c, g, j, m), shape=(1, 1, 1, BLOCK_K, BLOCK_M),
-                        order=(0, 1, 2, 4, 3), latency=lat)
+                        order=(0, 1, 2, 4, 3), latency=latency_hint(LOAD_LAT))
             cb = ct.reshape(t, (BLOCK_K, BLOCK_M))
         else:
-            t = ct.load(scores, (b, c, g, m, j), shape=(1, 1, 1, BLOCK_M, BLOCK_K), latency=lat)
+            t = ct.load(scores, (b, c, g, m, j), shape=(1, 1, 1, BLOCK_M, BLOCK_K),
+                        latency=latency_hint(LOAD_LAT))
             cb = ct.reshape(t, (BLOCK_M, BLOCK_K))
     else:
         if SWAP:
@@ -273,7 +276,7 @@ def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BL
             cb = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
         if DSTATE == DSTATE_TILE:
             b_cols = ct.reshape(ct.load(B, (b, col_tile, g, 0), shape=(1, BLOCK_K, 1, DSTATE),
-                                        padding_mode=ZERO, latency=lat),
+                                        padding_mode=ZERO, latency=latency_hint(LOAD_LAT)),
                                 (BLOCK_K, DSTATE)).astype(C.dtype)
             cb = rows_by_cols(c_rows, b_cols, cb, SWAP)
         else:
@@ -281,7 +284,8 @@ def cb_tile(scores, B, C, c_rows, b, c, g, m, j, row_tile, col_tile, BLOCK_M, BL
                 c_k = load_c_rows(C, b, row_tile, g, k, BLOCK_M, DSTATE_TILE, LOAD_LAT)
                 b_k = ct.reshape(ct.load(B, (b, col_tile, g, k),
                                          shape=(1, BLOCK_K, 1, DSTATE_TILE), padding_mode=ZERO,
-                                         latency=lat), (BLOCK_K, DSTATE_TILE)).astype(C.dtype)
+                                         latency=latency_hint(LOAD_LAT)),
+                                 (BLOCK_K, DSTATE_TILE)).astype(C.dtype)
                 cb = rows_by_cols(c_k, b_k, cb, SWAP)
     return cb
 
@@ -327,9 +331,6 @@ def compute_out_kernel(
 ):
     """One (row tile, p tile, head block) per block, or with PERSISTENT as many blocks as fit on
     the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
-    # Arrays that grow with the sequence are IndexedWithInt64 so that element offsets past
-    # 2**31 (x of a 512K-token sequence already has more elements than that) are computed in
-    # 64 bits; below that, ops.launch runs a 32-bit-indexed twin of this kernel.
     if PERSISTENT:
         total = (head_blocks(x, HEADS_PER_BLOCK) * ct.cdiv(x.shape[3], BLOCK_P)
                  * ct.cdiv(x.shape[1], BLOCK_M))
@@ -376,11 +377,10 @@ def output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx
     # 1. The entry state read through C: (BLOCK_M, dstate) @ (dstate, BLOCK_P) for each head.
     #    (With SWAP, every (BLOCK_M, BLOCK_P) tile below is held transposed.)
     if SWAP:
-        acc = ct.zeros((BLOCK_P, BLOCK_M) if HB == 1 else (HB, BLOCK_P, BLOCK_M),
-                       dtype=ct.float32)
+        acc_shape = (BLOCK_P, BLOCK_M) if HB == 1 else (HB, BLOCK_P, BLOCK_M)
     else:
-        acc = ct.zeros((BLOCK_M, BLOCK_P) if HB == 1 else (HB, BLOCK_M, BLOCK_P),
-                       dtype=ct.float32)
+        acc_shape = (BLOCK_M, BLOCK_P) if HB == 1 else (HB, BLOCK_M, BLOCK_P)
+    acc = ct.zeros(acc_shape, dtype=ct.float32)
     if NK == 1:
         # C rows stay in registers for the whole block (reused by every CB product below).
         c_rows = load_c_rows(C, b, row_tile, g, 0, BLOCK_M, DSTATE, LOAD_LAT)

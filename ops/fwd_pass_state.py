@@ -58,6 +58,10 @@ Variants (``default_config`` / ``search_space``)
     the entry states), tile sizes and the compiler hint occupancy complete the space (num_ctas > 1 is
     refused: it faulted on sm_90).
 
+Indexing
+    Sequence-long arrays are ``ct.IndexedWithInt64`` (64-bit offsets); below 2**31 elements
+    ``ops.launch.fit_index_width`` runs the kernel's 32-bit twin instead (notebook 06).
+
 Packed sequences (seq_idx)
     Only tokens of the sequence that the chunk's last token belongs to write the chunk's state,
     and the carried state is dropped (not decayed) when the chunk's last token belongs to a
@@ -183,9 +187,6 @@ def fwd_pass_state_kernel(
     LOAD_LAT: ConstInt,                   # latency hint of the x, B, initial state loads; 0 = none
     STORE_LAT: ConstInt,                  # latency hint of the entry state stores; 0 = none
 ):
-    # Every array that grows with the sequence is IndexedWithInt64: offsets like
-    # token * nheads * headdim exceed 2**31 for long sequences, so shapes, strides and tile
-    # indices are kept in 64 bits (a few extra integer instructions per tile, nothing per element).
     tile_id = ct.bid(0)
     h = ct.bid(1)
     b = ct.bid(2)

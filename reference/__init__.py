@@ -1,7 +1,7 @@
 """Pure-PyTorch reference stages of the Mamba-2 SSD forward pass (any device, float64-capable).
 
     sequential.ssd_sequential   stage 0: the token-by-token recurrence (ground truth)
-    quadratic.ssd_quadratic     the quadratic dual form y = (L o C B^T)(dt x)
+    quadratic.ssd_quadratic     the quadratic dual form y = (M o C B^T)(dt x)
     chunked.ssd_chunked         the chunked matmul formulation, in the steps the kernels implement
 """
 from .chunked import ssd_chunked

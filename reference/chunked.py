@@ -147,12 +147,12 @@ def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_id
     seq_c = None if seq_c is None else seq_c.reshape(seq_c.shape[0], -1, chunk_size)   # (b, c, l)
     # Diagonal block: C B^T, the decay mask, and dt x, all within one chunk.
     if seq_c is None:
-        Lmask = decay_mask(dA_cumsum)                                    # (b, h, c, l, s)
+        mask = decay_mask(dA_cumsum)                                    # M: (b, h, c, l, s)
     else:   # decay_mask takes seq ids as (batch, n): fold the chunks into the batch.
         b, h, c, l = dA_cumsum.shape
-        Lmask = decay_mask(dA_cumsum.permute(0, 2, 1, 3).reshape(b * c, h, l), seq_c.reshape(b * c, l))
-        Lmask = Lmask.reshape(b, c, h, l, l).permute(0, 2, 1, 3, 4)
-    scores = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc) * Lmask
+        mask = decay_mask(dA_cumsum.permute(0, 2, 1, 3).reshape(b * c, h, l), seq_c.reshape(b * c, l))
+        mask = mask.reshape(b, c, h, l, l).permute(0, 2, 1, 3, 4)
+    scores = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc) * mask
     y = torch.einsum("bhcls,bhcs,bcshp->bclhp", scores, dt_out, xc)
 
     # Off-diagonal blocks: the state each chunk starts from, decayed to each token, read by C.

@@ -5,10 +5,10 @@ tokens ``j <= i``::
 
     y_i = sum_j  (C_i . B_j) * exp(a_{j+1} + ... + a_i) * dt_j * x_j,      a_k = dt_k * A
 
-so ``y = (L o C B^T) (dt x)`` where ``L[i, j] = exp(cumsum(a)_i - cumsum(a)_j)`` below the
-diagonal and 0 above it: a 1-semiseparable mask. This is masked attention with a decaying
-mask instead of a softmax. It costs O(L^2) instead of O(L), but is made of matrix products,
-which is what the chunked algorithm exploits inside each chunk.
+so ``y = (M o C B^T) (dt x)`` where the decay mask ``M[i, j] = exp(cumsum(a)_i - cumsum(a)_j)``
+below the diagonal and 0 above it: a 1-semiseparable mask. This is masked attention with a
+decaying mask instead of a softmax. For L tokens it costs O(L^2) instead of O(L), but it is
+made of matrix products, which is what the chunked algorithm exploits inside each chunk.
 """
 import math
 
@@ -18,7 +18,7 @@ from .common import apply_skip_and_gate, compute_dtype, expand_groups, process_d
 
 
 def decay_mask(a_cumsum, seq_idx=None):
-    """L[..., i, j] = exp(a_cumsum[..., i] - a_cumsum[..., j]) for j <= i (same sequence), else 0.
+    """M[..., i, j] = exp(a_cumsum[..., i] - a_cumsum[..., j]) for j <= i (same sequence), else 0.
 
     The mask is applied to the exponent (as -inf) rather than to the result, so the upper
     triangle, where the difference is positive and could overflow, never reaches ``exp``.
@@ -42,8 +42,8 @@ def ssd_quadratic(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=N
     B_, C_ = expand_groups(B.to(cdt), nheads), expand_groups(C.to(cdt), nheads)
 
     a_cumsum = torch.cumsum(dt_ * A.to(cdt), dim=1).transpose(1, 2)          # (b, h, L)
-    Lmask = decay_mask(a_cumsum, seq_idx)                                    # (b, h, L, L)
-    scores = torch.einsum("bihn,bjhn->bhij", C_, B_) * Lmask                 # (L o C B^T)
+    mask = decay_mask(a_cumsum, seq_idx)                                     # M: (b, h, L, L)
+    scores = torch.einsum("bihn,bjhn->bhij", C_, B_) * mask                 # (M o C B^T)
     y = torch.einsum("bhij,bjh,bjhp->bihp", scores, dt_, x_)                 # times dt x
 
     # A state carried in from before token 0 decays by exp(cumsum_i) on its way to token i,
@@ -62,7 +62,7 @@ def ssd_quadratic(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=N
         return out
 
     # The final state is the last row of the same unrolled sum, read before C is applied.
-    last = Lmask[:, :, -1, :]                                                # (b, h, L)
+    last = mask[:, :, -1, :]                                                # (b, h, L)
     final = torch.einsum("bhj,bjh,bjhp,bjhn->bhpn", last, dt_, x_, B_)
     if initial_states is not None:
         keep = torch.exp(a_cumsum[:, :, -1])                                 # (b, h)

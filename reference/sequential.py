@@ -1,10 +1,10 @@
 """Stage 0: the selective state-space recurrence, one token at a time.
 
 This is the ground truth every other stage is checked against. For each head, the hidden
-state ``h`` is a (headdim, dstate) matrix and every token does::
+state ``S`` is a (headdim, dstate) matrix (``S_t`` after token t) and every token does::
 
-    h_t = exp(dt_t * A) * h_{t-1} + dt_t * outer(x_t, B_t)      # decay, then write
-    y_t = h_t @ C_t + D * x_t                                    # read, plus a skip
+    S_t = exp(dt_t * A) * S_{t-1} + dt_t * outer(x_t, B_t)      # decay, then write
+    y_t = S_t @ C_t + D * x_t                                    # read, plus a skip
     y_t = y_t * silu(z_t)                                        # optional gate
 
 ``exp(dt_t * A)`` lies in (0, 1] because A < 0 and dt >= 0: the state forgets geometrically.
@@ -35,24 +35,25 @@ def ssd_sequential(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
     dt_ = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt), dt_softplus, dt_limit)
     B_, C_ = expand_groups(B.to(cdt), nheads), expand_groups(C.to(cdt), nheads)
 
+    # The state S of the docstring, (batch, nheads, headdim, dstate)
     if initial_states is not None:
-        h = initial_states.to(cdt).clone()
+        S = initial_states.to(cdt).clone()
     else:
-        h = torch.zeros(batch, nheads, headdim, dstate, dtype=cdt, device=x.device)
+        S = torch.zeros(batch, nheads, headdim, dstate, dtype=cdt, device=x.device)
     prev_seq = torch.zeros(batch, dtype=torch.long, device=x.device)
 
     ys = []
     for t in range(seqlen):
         if seq_idx is not None:
             new_seq = seq_idx[:, t].long() != prev_seq                     # (b,)
-            h = torch.where(new_seq[:, None, None, None], torch.zeros_like(h), h)
+            S = torch.where(new_seq[:, None, None, None], torch.zeros_like(S), S)
             prev_seq = seq_idx[:, t].long()
         decay = torch.exp(dt_[:, t] * A_)                                   # (b, h)
         write = (dt_[:, t, :, None] * x_[:, t])[..., None] * B_[:, t, :, None, :]   # (b, h, p, n)
-        h = decay[:, :, None, None] * h + write
-        ys.append(torch.einsum("bhpn,bhn->bhp", h, C_[:, t]))
+        S = decay[:, :, None, None] * S + write
+        ys.append(torch.einsum("bhpn,bhn->bhp", S, C_[:, t]))
     y = torch.stack(ys, dim=1)                                              # (b, L, h, p)
 
     y = apply_skip_and_gate(y, x_, None if D is None else D.to(cdt), None if z is None else z.to(cdt))
     out = y.to(x.dtype)
-    return (out, h) if return_final_states else out
+    return (out, S) if return_final_states else out

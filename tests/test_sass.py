@@ -9,8 +9,8 @@ cuobjdump. The assertions pin down what the compiler does today:
     on sm_100, never the other's, and none in chunk_cumsum, which has no product;
   * operands reach shared memory asynchronously (cp.async or TMA) behind mbarriers;
   * resources are sane. Spills are reported by ``ops.tools.sass`` but not asserted away: at the
-    time of writing compute_out spills a few registers on sm_100 (see the findings in
-    notebook 06).
+    time of writing compute_out spills a few registers on sm_100 (``python -m ops.tools.sass``
+    prints the counts).
 
 Small kernels of this file show three effects worth knowing when reading the big ones.
 """
