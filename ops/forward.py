@@ -77,8 +77,12 @@ def _choose(name, shape, features, run, tuning):
 
 def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
-                   dt_limit=(0.0, math.inf), configs=None):
-    """-> (out (b, L, h, p) in x's dtype, final_states (b, h, p, n) float32).
+                   dt_limit=(0.0, math.inf), configs=None, states_dtype=None,
+                   return_intermediates=False):
+    """-> (out (b, L, h, p) in x's dtype, final_states (b, h, p, n) float32), and with
+    ``return_intermediates`` a third item (dt_out, dA_cumsum, entry_states).
+
+    ``states_dtype``: the dtype of the stored entry states (default x's dtype).
 
     ``configs``: ``{"chunk_cumsum": {...}, "fwd_pass_state": {...}, "compute_out": {...}}``,
     any of them optional. A kernel without a config runs its default on the CPU interpreter,
@@ -91,8 +95,9 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         raise ValueError(f"configs for unknown kernels {sorted(unknown)}; expected {tuple(KERNELS)}")
     seq_idx = as_int32(seq_idx)          # ids are small; the kernels compare int32
     batch, seqlen, nheads, headdim = x.shape
+    states_dtype = states_dtype or x.dtype
     shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=B.shape[2],
-                 dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype, states_dtype=x.dtype,
+                 dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype, states_dtype=states_dtype,
                  on_gpu=x.is_cuda)
     features = "".join(flag for flag, on in (("D", D is not None), ("z", z is not None),
                                              ("s", seq_idx is not None), ("i", initial_states is not None)) if on)
@@ -102,10 +107,10 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                   lambda c: chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
     dt_out, dA_cumsum = chunk_cumsum(dt, A, chunk_size, **cumsum_args, poison=POISON_OUTPUTS, config=cfg)
 
-    # Entry states are stored in x's dtype: compute_out rounds them to C's (== x's) dtype for
-    # its product anyway, so 16-bit storage changes nothing but halves the traffic (mamba_ssm
-    # does the same). The final state stays float32.
-    state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=x.dtype)
+    # Entry states are stored in x's dtype by default: compute_out rounds them to C's (== x's)
+    # dtype for its product anyway, so 16-bit storage changes nothing there but halves the
+    # traffic (mamba_ssm does the same). The final state stays float32.
+    state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=states_dtype)
     cfg = _config("fwd_pass_state", configs, shape, features,
                   lambda c: fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
     entry_states, final_states = fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args,
@@ -116,4 +121,6 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                   lambda c: compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, config=c))
     out = compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, poison=POISON_OUTPUTS,
                       config=cfg)
+    if return_intermediates:
+        return out, final_states, (dt_out, dA_cumsum, entry_states)
     return out, final_states

@@ -89,11 +89,20 @@ def _int32_twin(kernel):
     return ct.kernel(g, **kernel_hints(kernel))
 
 
+def element_reach(t):
+    """One past the largest element offset from ``t``'s first element that indexing ``t`` can
+    reach: ``numel`` for a contiguous tensor, more for a strided view (size-1 dimensions, whose
+    stride is never stepped, do not count)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+
+
 def fit_index_width(kernel, args, force_int64=False):
-    """``kernel`` itself if some tensor argument has 2**31 elements or more (or ``force_int64``,
-    a config option, so the autotuner can compare both), else its 32-bit-indexed twin (built
-    once per kernel)."""
-    if force_int64 or any(t.numel() >= INT32_LIMIT for t in _tensors(args)):
+    """``kernel`` itself if indexing some tensor argument can reach an element offset of 2**31
+    or more (``element_reach``; or ``force_int64``, a config option, so the autotuner can compare
+    both), else its 32-bit-indexed twin (built once per kernel)."""
+    if force_int64 or any(element_reach(t) >= INT32_LIMIT for t in _tensors(args)):
         return kernel
     if kernel not in _INT32_TWINS:
         _INT32_TWINS[kernel] = _int32_twin(kernel)

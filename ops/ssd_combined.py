@@ -1,13 +1,18 @@
 """The public forward pass: a drop-in for mamba_ssm's ``mamba_chunk_scan_combined`` (forward only).
 
-It checks its inputs (a bad shape or dtype raises at once, naming the argument), makes them
-contiguous, and hands them to one of the backends:
+It checks its inputs (a bad shape or dtype raises at once, naming the argument) and runs one of
+the backends, through a PyTorch custom operator (``ops.torch_op``), so that ``torch.compile``
+traces a model calling it without a graph break:
 
-    "reference"  the chunked PyTorch reference (reference/chunked.py), any device
+    "reference"  the chunked PyTorch reference (reference/chunked.py), any device; the one
+                 backend that is differentiable (it is called directly when a gradient is needed)
     "interpret"  the three cuTile kernels, executed on the CPU by the ops/interpreter/ package
     "cutile"     the three cuTile kernels, compiled and launched on a CUDA GPU
     "auto"       "cutile" for CUDA tensors on a GPU cuTile supports (and sizes the kernels take:
                  headdim and dstate powers of two, in [16, 128] and [16, 512]), else "reference"
+
+The kernels have no backward yet: asked for a gradient (grad mode on and an input that requires
+one), a kernel backend raises instead of returning a tensor that would silently stop it.
 """
 import math
 
@@ -17,13 +22,15 @@ from .checks import check_chunk_size, check_sizes
 
 BACKENDS = ("auto", "reference", "interpret", "cutile")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what the kernels accept for x, B, C, z
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)    # the stored entry states
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                              initial_states=None, seq_idx=None, dt_softplus=False,
-                              dt_limit=(0.0, float("inf")), return_final_states=False,
-                              backend="auto"):
-    """Mamba-2's SSD forward pass over a whole sequence.
+                              initial_states=None, seq_idx=None, cu_seqlens=None,
+                              dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False,
+                              state_dtype=None, backend="auto"):
+    """Mamba-2's SSD forward pass over a whole sequence (mamba_ssm 2.3's signature and returns).
 
     Args (shapes as in mamba_ssm; b batch, L seqlen, h heads, p headdim, g groups, n dstate):
         x: (b, L, h, p) float32, bfloat16 or float16 (float64 with backend="reference").
@@ -37,33 +44,49 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         initial_states: optional (b, h, p, n) state before token 0 (it belongs to sequence id 0).
         seq_idx: optional (b, L) integer sequence ids, non-negative and non-decreasing along L;
             the state resets where the id changes (several sequences packed in one row).
+        cu_seqlens: optional (nseq + 1,) integer boundaries of sequences packed in one row
+            (b == 1): 0, then each sequence's end, the last one L. With seq_idx, the ids must
+            change exactly there; without it, the sequences are made independent as if seq_idx
+            numbered them 0, 1, ... (mamba_ssm leaves that to the caller).
         dt_softplus: apply softplus to dt + dt_bias (where it is at most 20).
         dt_limit: (min, max) clamp applied to the processed dt, always.
         return_final_states: also return the state after the last token, (b, h, p, n) float32.
+        return_varlen_states: also return each packed sequence's final state, (nseq, h, p, n)
+            float32 (needs cu_seqlens).
+        state_dtype: the dtype the kernels store the chunks' entry states in (float32, bfloat16
+            or float16; default x's dtype). The reference backend keeps them in its own.
         backend: "auto", "reference", "interpret" or "cutile".
 
     Returns:
-        out (b, L, h, p) in x's dtype, or (out, final_states).
+        out (b, L, h, p) in x's dtype; with return_final_states (out, final_states); with
+        return_varlen_states (out, varlen_states); with both (out, final_states, varlen_states).
     """
-    args = _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-                         dt_limit, backend)
-    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = args
-    backend = _resolve_backend(backend, x, B)
-
-    if backend == "reference":
-        from reference.chunked import ssd_chunked
-        out, final_states = ssd_chunked(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                                        initial_states=initial_states, seq_idx=seq_idx,
-                                        dt_softplus=dt_softplus, dt_limit=dt_limit,
-                                        return_final_states=True)
+    _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
+                  cu_seqlens, dt_limit, return_varlen_states, state_dtype)
+    resolved = _resolve_backend(backend, x, B)
+    if resolved != "reference" and x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"backend={resolved!r} takes x, B, C, z in float32, bfloat16 or float16; "
+                        f"got {x.dtype} (float64 works with backend='reference')")
+    tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    options = dict(chunk_size=chunk_size, dt_softplus=bool(dt_softplus),
+                   dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]),
+                   with_varlen=bool(return_varlen_states), state_dtype=state_dtype)
+    if wants_grad:
+        if resolved != "reference":
+            raise NotImplementedError(
+                f"backend={resolved!r} has no backward pass yet, and an input requires a gradient "
+                f"(grad mode is on): use backend='reference' (differentiable), or call under "
+                f"torch.no_grad() / torch.inference_mode() for inference")
+        from .torch_op import forward
+        out, final_states, varlen_states = forward(
+            *tensors, seq_idx, cu_seqlens, backend="reference", **options)
     else:
-        if x.dtype not in KERNEL_DTYPES:
-            raise TypeError(f"backend={backend!r} takes x, B, C, z in float32, bfloat16 or float16; "
-                            f"got {x.dtype} (float64 works with backend='reference')")
-        from .forward import kernel_forward
-        out, final_states = kernel_forward(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                                           initial_states=initial_states, seq_idx=seq_idx,
-                                           dt_softplus=dt_softplus, dt_limit=dt_limit)
+        from .torch_op import ssd_forward
+        out, final_states, varlen_states = ssd_forward(
+            *tensors, seq_idx, cu_seqlens, backend=resolved, **options)
+    if return_varlen_states:
+        return (out, final_states, varlen_states) if return_final_states else (out, varlen_states)
     return (out, final_states) if return_final_states else out
 
 
@@ -72,11 +95,17 @@ def cutile_supported(device):
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
+    return _cutile_runs_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@torch.compiler.assume_constant_result
+def _cutile_runs_on(index):
+    # A constant to torch.compile: it asks the driver and imports cuda.tile once, at tracing.
     try:
         import cuda.tile  # noqa: F401
     except ImportError:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    return torch.cuda.get_device_capability(index)[0] >= 8
 
 
 def kernels_take(headdim, dstate):
@@ -117,13 +146,23 @@ def _need_tensor(name, t):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
 
 
+def _need_integer(name, t):
+    _need_tensor(name, t)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor; got {t.dtype}")
+
+
 def _need_float(name, t, allowed=KERNEL_DTYPES + (torch.float64,)):
     if t.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)
         raise TypeError(f"{name} must be a floating tensor ({names}); got {t.dtype}")
 
 
-def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_limit, backend):
+def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                  dt_limit, return_varlen_states, state_dtype):
+    """Shapes, dtypes and devices: what can be checked without reading a tensor's values (so
+    torch.compile traces it). The values of seq_idx and cu_seqlens are checked where the
+    forward runs (``check_values``)."""
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         _need_tensor(name, t)
     if x.dim() != 4:
@@ -177,11 +216,23 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
         if initial_states.shape != (b, h, p, n):
             raise _shape_error("initial_states", (b, h, p, n), initial_states)
     if seq_idx is not None:
-        _need_tensor("seq_idx", seq_idx)
-        if seq_idx.dtype.is_floating_point or seq_idx.dtype.is_complex or seq_idx.dtype == torch.bool:
-            raise TypeError(f"seq_idx must be an integer tensor; got {seq_idx.dtype}")
+        _need_integer("seq_idx", seq_idx)
         if seq_idx.shape != (b, L):
             raise _shape_error("seq_idx", (b, L), seq_idx)
+
+    if cu_seqlens is not None:
+        _need_integer("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+            raise ValueError(f"cu_seqlens must be 1-d with nseq + 1 >= 2 entries (0, then each "
+                             f"sequence's end); got shape {tuple(cu_seqlens.shape)}")
+        if b != 1:
+            raise ValueError(f"cu_seqlens packs sequences along one row: x must have batch 1; got "
+                             f"batch {b}")
+    if return_varlen_states and cu_seqlens is None:
+        raise ValueError("return_varlen_states=True needs cu_seqlens (the packed sequences' bounds)")
+    if state_dtype is not None and state_dtype not in STATE_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in STATE_DTYPES)
+        raise TypeError(f"state_dtype must be None or one of {names}; got {state_dtype!r}")
 
     try:
         lo, hi = (float(v) for v in dt_limit)
@@ -191,18 +242,50 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
         raise ValueError(f"dt_limit must satisfy min <= max with no NaN; got {dt_limit!r}")
 
     tensors = {"dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
-               "initial_states": initial_states, "seq_idx": seq_idx}
+               "initial_states": initial_states, "seq_idx": seq_idx, "cu_seqlens": cu_seqlens}
     for name, t in tensors.items():
         if t is not None and t.device != x.device:
             raise ValueError(f"all tensors must be on one device: x is on {x.device}, {name} on {t.device}")
 
-    if seq_idx is not None and L > 1:
-        # One small reduction; a decreasing id would silently mix sequences.
-        if bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-            raise ValueError("seq_idx must be non-decreasing along the sequence (packed sequences in order)")
-    if seq_idx is not None and bool((seq_idx[:, 0] < 0).any()):
+
+def check_values(x, seq_idx, cu_seqlens):
+    """The checks that read values: seq_idx non-negative and non-decreasing; cu_seqlens from 0
+    to L, increasing, and where seq_idx is given its ids changing exactly at those bounds.
+    Returns seq_idx (derived from cu_seqlens when only that is given).
+
+    While a CUDA graph is being captured the checks are skipped: reading a value would
+    synchronise with the GPU, which a capture forbids (the eager warm-up call before a capture
+    has checked the same tensors)."""
+    L = x.shape[1]
+    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if seq_idx is not None:
+            _check_seq_idx(seq_idx)
+        if cu_seqlens is not None:
+            _check_cu_seqlens(cu_seqlens.long(), L, seq_idx)
+    if cu_seqlens is not None and seq_idx is None:
+        lengths = cu_seqlens[1:].long() - cu_seqlens[:-1].long()
+        ids = torch.arange(len(lengths), device=x.device)
+        seq_idx = torch.repeat_interleave(ids, lengths, output_size=L)[None].to(torch.int32)
+    return seq_idx
+
+
+def _check_seq_idx(seq_idx):
+    # One small reduction each; a decreasing id would silently mix sequences.
+    if seq_idx.shape[1] > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
+        raise ValueError("seq_idx must be non-decreasing along the sequence (packed sequences in order)")
+    if bool((seq_idx[:, 0] < 0).any()):
         raise ValueError("seq_idx must be non-negative")
 
-    # The kernels index with strides of contiguous tensors; copies are cheap next to the work.
-    fix = lambda t: None if t is None else t.contiguous()
-    return tuple(fix(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
+
+def _check_cu_seqlens(cu, L, seq_idx):
+    if int(cu[0]) != 0 or int(cu[-1]) != L:
+        raise ValueError(f"cu_seqlens must start at 0 and end at seqlen ({L}); got "
+                         f"{int(cu[0])} ... {int(cu[-1])}")
+    if bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError("cu_seqlens must be increasing: every packed sequence has at least one "
+                         "token (a decreasing or repeated bound was found)")
+    if seq_idx is not None:
+        changes = torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1
+        if changes.shape != cu[1:-1].shape or not bool((changes == cu[1:-1]).all()):
+            raise ValueError("seq_idx and cu_seqlens disagree: the ids in seq_idx must change "
+                             "exactly at the bounds in cu_seqlens")

@@ -1,0 +1,358 @@
+"""The entry point as a model uses it: torch.compile, autograd, views, mamba_ssm's whole
+signature (cu_seqlens, return_varlen_states, state_dtype) and its return convention.
+
+Everything here runs on the CPU (backends "interpret" and "reference"); the GPU versions carry the
+``gpu`` marker. Expected values come from ``reference.sequential.ssd_sequential`` in float64, run
+sequence by sequence for packed inputs: never from the code under test. Tolerances are those of
+tests/test_api.py (float32 kernels: 2e-5 relative in norm; reference float64: 1e-10).
+"""
+import pytest
+import torch
+
+from ops import mamba_chunk_scan_combined
+from ops.launch import INT32_LIMIT, element_reach
+from ops.torch_op import as_kernel_input
+from reference.problems import make_problem
+from reference.sequential import ssd_sequential
+from reference.validate import rel_err
+
+OPTIONS = dict(dt_softplus=True, dt_limit=(0.0, 1.5))
+TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
+CPU_BACKENDS = [pytest.param("interpret", torch.float32, id="interpret"),
+                pytest.param("reference", torch.float64, id="reference")]
+ARGS = ("x", "dt", "A", "B", "C")
+
+
+def f64(kw):
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def problem(dtype, **kw):
+    return make_problem(**{**dict(batch=1, seqlen=100, nheads=4, headdim=16, ngroups=2, dstate=16,
+                                  D="2d"), **kw}, dtype=dtype, seed=7)
+
+
+# torch.compile -----------------------------------------------------------------------------------
+
+class TinyMixer(torch.nn.Module):
+    """A projection in, the scan, a projection out: the scan between traced torch ops."""
+
+    def __init__(self, width, dtype, backend):
+        super().__init__()
+        self.inp = torch.nn.Linear(width, width, dtype=dtype)
+        self.out = torch.nn.Linear(width, width, dtype=dtype)
+        self.backend = backend
+
+    def forward(self, x, dt, A, B, C, D, seq_idx):
+        b, L, h, p = x.shape
+        x = self.inp(x.reshape(b, L, h * p)).reshape(b, L, h, p)
+        y, final = mamba_chunk_scan_combined(x, dt, A, B, C, 32, D=D, seq_idx=seq_idx,
+                                             dt_softplus=True, return_final_states=True,
+                                             backend=self.backend)
+        return self.out(y.reshape(b, L, h * p)), final
+
+
+@pytest.mark.parametrize("backend, dtype", CPU_BACKENDS)
+def test_compiles_with_no_graph_break(backend, dtype):
+    torch._dynamo.reset()
+    kw = problem(dtype, seq_boundaries=[40])
+    model = TinyMixer(4 * 16, dtype, backend)
+    args = [kw[k] for k in ARGS] + [kw["D"], kw["seq_idx"]]
+    with torch.no_grad():
+        eager = model(*args)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(*args)
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e, c)
+
+
+def test_the_operator_has_a_fake_for_tracing():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    kw = problem(torch.float32)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) for k, v in kw.items()}
+        out, final, varlen = torch.ops.mamba2_cutile.ssd_forward(
+            *[fake[k] for k in ARGS], None, None, None, None, None, None, chunk_size=32,
+            dt_softplus=True, dt_min=0.0, dt_max=float("inf"), with_varlen=False,
+            state_dtype=None, backend="interpret")
+    assert out.shape == kw["x"].shape and out.dtype == torch.float32
+    assert final.shape == (1, 4, 16, 16) and varlen.shape == (0, 4, 16, 16)
+
+
+# Autograd ----------------------------------------------------------------------------------------
+
+def test_kernel_backends_refuse_to_drop_a_gradient():
+    kw = problem(torch.float32)
+    kw["x"].requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="backend='interpret' has no backward.*backend='reference'"):
+        mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
+    with torch.no_grad():                              # inference: no gradient asked for
+        out = mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
+    assert out.grad_fn is None and torch.isfinite(out).all()
+    with torch.inference_mode():
+        mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
+
+
+def test_reference_backend_gives_the_recurrences_gradients():
+    kw = problem(torch.float64, seqlen=40, seq_boundaries=[17])
+    leaves = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+    weights = torch.randn(1, 40, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def grads(fn):
+        inputs = {k: (v.detach().clone().requires_grad_(k in leaves) if v.is_floating_point() else v)
+                  for k, v in kw.items()}
+        out, final = fn(inputs)
+        ((out * weights).sum() + final.square().sum()).backward()
+        return [inputs[k].grad for k in leaves]
+
+    ours = grads(lambda i: mamba_chunk_scan_combined(**i, chunk_size=16, **OPTIONS,
+                                                     return_final_states=True))   # auto: reference
+    expected = grads(lambda i: ssd_sequential(**i, **OPTIONS, return_final_states=True))
+    for name, a, b in zip(leaves, ours, expected, strict=True):
+        assert a is not None and rel_err(a, b) < 1e-9, name
+
+
+# Views -------------------------------------------------------------------------------------------
+
+def test_size_one_dimensions_with_huge_strides_are_normalised():
+    kw = problem(torch.float32)
+    ref = mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
+    # A batch-1 slice of a longer sequence keeps its parent's stride(0): here 2**33, as in a
+    # slice of a 1M-token, 80-head tensor (never stepped, so the storage can stay small).
+    odd = dict(kw)
+    for k in ("x", "B", "C", "z", "dt"):
+        t = kw[k]
+        odd[k] = t.as_strided(t.shape, (2**33,) + t.stride()[1:])
+        assert odd[k].is_contiguous() and element_reach(odd[k]) == t.numel()
+    assert as_kernel_input(odd["x"]).stride() == kw["x"].stride()
+    assert torch.equal(mamba_chunk_scan_combined(**odd, chunk_size=32, backend="interpret"), ref)
+
+
+def test_index_width_follows_the_reach_of_strided_views():
+    from ops.chunk_cumsum import chunk_cumsum_kernel
+    from ops.launch import fit_index_width
+    wide = torch.empty(4, device="meta").as_strided((2, 2), (2**31, 1))   # rows 2**31 apart
+    assert wide.numel() == 4 and element_reach(wide) == 2**31 + 2 > INT32_LIMIT
+    assert element_reach(torch.empty(3, 5)) == 15 and element_reach(torch.empty(0, 5)) == 0
+    assert fit_index_width(chunk_cumsum_kernel, (wide,)) is chunk_cumsum_kernel        # 64-bit
+    assert fit_index_width(chunk_cumsum_kernel, (torch.empty(2, 2),)) is not chunk_cumsum_kernel
+
+
+@pytest.mark.parametrize("backend, dtype", CPU_BACKENDS)
+def test_slices_of_a_larger_tensor(backend, dtype):
+    """x, B, C as column slices of one projection (as a Mamba-2 layer splits its in_proj)."""
+    kw = problem(dtype)
+    x, B, C = kw["x"], kw["B"], kw["C"]
+    b, L = x.shape[:2]
+    packed = torch.cat([x.reshape(b, L, -1), B.reshape(b, L, -1), C.reshape(b, L, -1)], dim=-1)
+    px = packed[..., :x[0, 0].numel()].unflatten(-1, x.shape[2:])
+    pB = packed[..., x[0, 0].numel():x[0, 0].numel() + B[0, 0].numel()].unflatten(-1, B.shape[2:])
+    pC = packed[..., -C[0, 0].numel():].unflatten(-1, C.shape[2:])
+    assert not px.is_contiguous()
+    ref = mamba_chunk_scan_combined(**kw, chunk_size=32, backend=backend)
+    out = mamba_chunk_scan_combined(**{**kw, "x": px, "B": pB, "C": pC}, chunk_size=32,
+                                    backend=backend)
+    assert torch.equal(out, ref)
+
+
+# mamba_ssm's signature ---------------------------------------------------------------------------
+
+SIGNATURE = ("x", "dt", "A", "B", "C", "chunk_size", "D", "z", "dt_bias", "initial_states",
+             "seq_idx", "cu_seqlens", "dt_softplus", "dt_limit", "return_final_states",
+             "return_varlen_states", "state_dtype", "backend")
+
+
+def test_positional_order_is_mamba_ssms():
+    import inspect
+    assert tuple(inspect.signature(mamba_chunk_scan_combined).parameters) == SIGNATURE
+    kw = problem(torch.float32)
+    positional = [kw[k] for k in ARGS] + [32, kw["D"], kw["z"], kw["dt_bias"], kw["initial_states"],
+                                          None, None, True, (0.0, 1.5), True]
+    by_name = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS, return_final_states=True)
+    for a, b in zip(mamba_chunk_scan_combined(*positional), by_name, strict=True):
+        assert torch.equal(a, b)
+
+
+BOUNDS = [0, 23, 64, 65, 100]        # inside a chunk, exactly at one, a 1-token sequence, the end
+
+
+def per_sequence_reference(kw, bounds):
+    """Each packed sequence run alone through the float64 recurrence (the initial state belongs
+    to the first): the outputs, concatenated, and each sequence's final state."""
+    outs, finals = [], []
+    for k, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        part = {n: (v[:, s:e] if v.dim() > 1 and v.shape[1] == kw["x"].shape[1] and n != "D" else v)
+                for n, v in f64(kw).items() if n != "seq_idx"}
+        if k > 0:
+            part.pop("initial_states", None)
+        y, final = ssd_sequential(**part, **OPTIONS, return_final_states=True)
+        outs.append(y)
+        finals.append(final[0])
+    return torch.cat(outs, dim=1), torch.stack(finals)
+
+
+@pytest.mark.parametrize("backend, dtype", CPU_BACKENDS)
+@pytest.mark.parametrize("with_seq_idx", [True, False], ids=["seq_idx", "cu_seqlens-only"])
+def test_varlen_states_are_each_sequences_final_state(backend, dtype, with_seq_idx):
+    kw = problem(dtype)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32)
+    if with_seq_idx:
+        kw["seq_idx"] = torch.repeat_interleave(torch.arange(4), torch.tensor(BOUNDS).diff())[None]
+    out, final, varlen = mamba_chunk_scan_combined(**kw, chunk_size=32, cu_seqlens=cu, **OPTIONS,
+                                                   return_final_states=True,
+                                                   return_varlen_states=True, backend=backend)
+    ref_out, ref_varlen = per_sequence_reference(kw, BOUNDS)
+    assert varlen.shape == (4, 4, 16, 16)
+    assert varlen.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    assert rel_err(varlen, ref_varlen) < TOL[dtype]
+    assert rel_err(final[0], ref_varlen[-1]) < TOL[dtype]      # the last sequence's is the final
+
+
+def test_return_convention():
+    kw = problem(torch.float32)
+    cu = torch.tensor(BOUNDS)
+    run = lambda **o: mamba_chunk_scan_combined(**kw, chunk_size=32, cu_seqlens=cu, **o)
+    out = run()
+    assert isinstance(out, torch.Tensor)
+    assert [t.shape[0] for t in run(return_final_states=True)] == [1, 1]
+    assert [t.shape[0] for t in run(return_varlen_states=True)] == [1, 4]
+    assert [t.shape[0] for t in run(return_final_states=True, return_varlen_states=True)] == [1, 1, 4]
+
+
+def test_state_dtype_is_the_stored_entry_states_dtype():
+    """compute_out rounds the entry states to x's dtype for its product, so the outputs do not
+    depend on state_dtype; the varlen states read the stored entry states as they are, so with
+    bf16 inputs float32 storage brings them closer to the float64 recurrence."""
+    kw = problem(torch.bfloat16)
+    cu = torch.tensor(BOUNDS)
+    ref_out, ref_varlen = per_sequence_reference(kw, BOUNDS)
+    results = {}
+    for state_dtype in (None, torch.bfloat16, torch.float16, torch.float32):
+        out, varlen = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS, cu_seqlens=cu,
+                                                return_varlen_states=True,
+                                                state_dtype=state_dtype, backend="interpret")
+        assert rel_err(out, ref_out) < 1e-2 and rel_err(varlen, ref_varlen) < 1e-2
+        results[state_dtype] = out, rel_err(varlen, ref_varlen)
+    assert torch.equal(results[None][0], results[torch.float32][0])
+    assert results[torch.float32][1] < results[torch.bfloat16][1] == results[None][1]
+
+
+def _packed(**changes):
+    kw = problem(torch.float32)
+    kw.update(chunk_size=32, cu_seqlens=torch.tensor(BOUNDS))
+    kw.update(changes)
+    return kw
+
+
+BAD = [
+    pytest.param(dict(cu_seqlens=torch.tensor([0.0, 100.0])), TypeError, "cu_seqlens must be an integer tensor", id="float"),
+    pytest.param(dict(cu_seqlens=torch.tensor([[0, 100]])), ValueError, "cu_seqlens must be 1-d", id="2d"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0])), ValueError, "cu_seqlens must be 1-d with nseq", id="one-entry"),
+    pytest.param(dict(cu_seqlens=torch.tensor([1, 50, 100])), ValueError, "cu_seqlens must start at 0", id="start"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 50, 99])), ValueError, r"end at seqlen \(100\)", id="end"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 60, 50, 100])), ValueError, "cu_seqlens must be increasing", id="decreasing"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 50, 50, 100])), ValueError, "at least one token", id="empty-sequence"),
+    pytest.param(dict(cu_seqlens=torch.tensor([0, 50, 100]),
+                      seq_idx=torch.tensor([[0] * 40 + [1] * 60])), ValueError, "seq_idx and cu_seqlens disagree", id="vs-seq_idx"),
+    pytest.param(dict(cu_seqlens=None, return_varlen_states=True), ValueError, "return_varlen_states=True needs cu_seqlens", id="varlen-without"),
+    pytest.param(dict(state_dtype=torch.int8), TypeError, "state_dtype must be None or one of", id="state_dtype"),
+    pytest.param(dict(state_dtype="bf16"), TypeError, "state_dtype must be None or one of", id="state_dtype-str"),
+]
+
+
+@pytest.mark.parametrize("changes, exc, message", BAD)
+@pytest.mark.parametrize("backend", ["interpret", "reference"])
+def test_bad_packing_raises_naming_the_argument(changes, exc, message, backend):
+    with pytest.raises(exc, match=message):
+        mamba_chunk_scan_combined(**_packed(**changes), backend=backend)
+
+
+def test_cu_seqlens_needs_batch_one():
+    kw = make_problem(dtype=torch.float32, batch=2, seqlen=40)
+    with pytest.raises(ValueError, match="x must have batch 1; got batch 2"):
+        mamba_chunk_scan_combined(**kw, chunk_size=16, cu_seqlens=torch.tensor([0, 40]))
+
+
+# On a GPU ----------------------------------------------------------------------------------------
+
+def gpu_problem(dtype=torch.bfloat16, **kw):
+    return {k: v.cuda() for k, v in problem(dtype, **kw).items()}
+
+
+@pytest.mark.gpu
+def test_compiles_with_inductor_on_gpu():
+    torch._dynamo.reset()
+    kw = gpu_problem(seq_boundaries=[40])
+    model = TinyMixer(4 * 16, torch.bfloat16, "cutile").cuda()
+    args = [kw[k] for k in ARGS] + [kw["D"], kw["seq_idx"]]
+    with torch.no_grad():
+        eager = model(*args)
+        compiled = torch.compile(model, backend="inductor", fullgraph=True)(*args)
+    torch.cuda.synchronize()
+    # Inductor may fuse the projections differently: the scan's inputs can differ in the last
+    # bf16 bit, so compare as bf16 results of one computation (4e-3, as the parity tests).
+    for e, c in zip(eager, compiled, strict=True):
+        assert rel_err(c, e) < 4e-3
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager():
+    kw = gpu_problem(seq_boundaries=[40])
+    call = lambda: mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS,
+                                             return_final_states=True, backend="cutile")
+    with torch.no_grad():
+        eager = call()                       # compiles the kernels before the capture
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = call()
+        for t in captured:
+            t.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    for e, c in zip(eager, captured, strict=True):
+        assert torch.equal(e, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_seq_idx", [True, False], ids=["seq_idx", "cu_seqlens-only"])
+def test_varlen_states_on_gpu(with_seq_idx):
+    kw = gpu_problem(torch.float32)
+    cu = torch.tensor(BOUNDS, dtype=torch.int32, device="cuda")
+    if with_seq_idx:
+        kw["seq_idx"] = torch.repeat_interleave(torch.arange(4), torch.tensor(BOUNDS).diff())[None].cuda()
+    out, varlen = mamba_chunk_scan_combined(**kw, chunk_size=32, cu_seqlens=cu, **OPTIONS,
+                                            return_varlen_states=True, backend="cutile")
+    ref_out, ref_varlen = per_sequence_reference({k: v.cpu() for k, v in kw.items()}, BOUNDS)
+    assert rel_err(out.cpu(), ref_out) < TOL[torch.float32]
+    assert rel_err(varlen.cpu(), ref_varlen) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+def test_a_slice_of_a_million_token_tensor():
+    """x[:, -65536:] of a 1M-token, 80-head layer: "contiguous", with stride(0) = 5.4e9."""
+    if torch.cuda.mem_get_info()[0] < 24 * 2**30:
+        pytest.skip("needs 24 GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    big = dict(x=torch.randn(1, 2**20, 80, 64, device="cuda", dtype=torch.bfloat16, generator=g),
+               dt=torch.randn(1, 2**20, 80, device="cuda", generator=g) * 0.5 - 1,
+               B=torch.randn(1, 2**20, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g),
+               C=torch.randn(1, 2**20, 1, 128, device="cuda", dtype=torch.bfloat16, generator=g))
+    sliced = {k: v[:, -65536:] for k, v in big.items()}
+    assert sliced["x"].is_contiguous() and sliced["x"].stride(0) == 2**20 * 80 * 64
+    A = -torch.rand(80, device="cuda", generator=g) - 0.1
+    with torch.no_grad():
+        out = mamba_chunk_scan_combined(**sliced, A=A, chunk_size=256, dt_softplus=True,
+                                        backend="cutile")
+        # The same values in fresh tensors of their own (canonical strides).
+        fresh = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda").copy_(v)
+                 for k, v in sliced.items()}
+        del big, sliced
+        ref = mamba_chunk_scan_combined(**fresh, A=A, chunk_size=256, dt_softplus=True,
+                                        backend="cutile")
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.equal(out, ref)
