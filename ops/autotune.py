@@ -1,19 +1,27 @@
-"""Per-shape autotuning of kernel configs, cached in memory and on disk.
+"""Per-shape kernel configs: a committed table of tuned configs, and a search on request.
 
 The fastest tile sizes, latency hints, operand order and occupancy depend on the input shape
 (sequence length, dstate, heads) and on the GPU, so each kernel module offers a
-``search_space(...)`` of valid configs and a ``default_config(...)``. The first time a kernel
-meets a new shape on a GPU, ``Autotuner.best`` times every candidate on the real inputs and keeps
-the fastest; the winner is remembered in memory and in a JSON file, so later calls -- and later
-processes -- skip the search.
+``search_space(...)`` of valid configs and a ``default_config(...)``. A search times every
+candidate on the real inputs and keeps the fastest; it takes minutes (each candidate compiles),
+so it never runs unasked. By default a kernel on a GPU takes, in this order:
+
+  1. the winner of an earlier search at this shape, from the cache file;
+  2. the committed table (``tuned_configs.json``, searched on an NVIDIA H200 at the benchmark's
+     grid and at model shapes): the entry for this shape, else the nearest tuned shape of the
+     same GPU, head and state sizes, chunk and dtype (by the amount of work), if its config is
+     valid here;
+  3. the kernel's default config.
 
 Environment:
-    MAMBA2_CUTILE_AUTOTUNE=0        no search: every kernel uses its default config
+    MAMBA2_CUTILE_AUTOTUNE=1        search on a shape the cache does not know (then cache it)
+    MAMBA2_CUTILE_AUTOTUNE=0        no cache, no table: every kernel uses its default config
     MAMBA2_CUTILE_AUTOTUNE_CACHE    the JSON file (default ~/.cache/mamba2-cutile/autotune.json)
     MAMBA2_CUTILE_AUTOTUNE_QUIET=1  no progress output
 
-A candidate that fails (a compile error, a launch error) is skipped and reported, never fatal.
-Tuning happens only on a GPU: the CPU interpreter always runs the default config.
+``python -m ops.autotune --help``: search given shapes ahead of time, compiling the candidates in
+parallel, and export caches into a table. A candidate that fails (a compile error, a launch
+error) is skipped and reported, never fatal. The CPU interpreter always runs the default config.
 """
 import json
 import math
@@ -35,8 +43,22 @@ FAULTED = "|faulted"
 MARGIN = 0.03
 
 
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_configs.json")
+
+
+def mode():
+    """"search", "table" (the default: cache and table, no search) or "off" (defaults only)."""
+    value = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if value in ("1", "true", "on", "yes", "search"):
+        return "search"
+    if value in ("0", "false", "off", "no"):
+        return "off"
+    return "table"
+
+
 def enabled():
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether a search may run (MAMBA2_CUTILE_AUTOTUNE=1)."""
+    return mode() == "search"
 
 
 def default_cache_path():
@@ -131,6 +153,19 @@ class Autotuner:
             json.dump(on_disk, f, indent=1, sort_keys=True)
         os.replace(tmp, self.path)
 
+    # Without a search -------------------------------------------------------------------------
+
+    def lookup(self, kernel_name, shape, candidates, default):
+        """The config for ``kernel_name`` at ``shape`` without timing anything: an earlier
+        search's winner from the cache, else the committed table's (``Table.choose``), else
+        ``default``."""
+        memory = self._load()
+        key = self.key(kernel_name, shape)
+        if key in memory:
+            return memory[key]["config"]
+        found = table().choose(kernel_name, self._device_name(), shape, candidates)
+        return default if found is None else found
+
     # The search -------------------------------------------------------------------------------
 
     def best(self, kernel_name, shape, candidates, default, run):
@@ -223,3 +258,96 @@ def tuner():
     if _TUNER is None:
         _TUNER = Autotuner()
     return _TUNER
+
+
+# The committed table ---------------------------------------------------------------------------
+
+def parse_key(key):
+    """A cache key -> (kernel, device, {shape item: value as text})."""
+    kernel, device, _version, items = key.split("|")[:4]
+    return kernel, device, dict(item.split("=", 1) for item in items.split(","))
+
+
+# Shape items a table entry must share with the call (they change which configs are valid and
+# what they cost); the others only decide which entry is nearest.
+SAME = ("headdim", "dstate", "chunk_size", "dtype")
+
+
+def _work(shape):
+    return int(shape["batch"]) * int(shape["seqlen"]) * int(shape["nheads"])
+
+
+class Table:
+    """Tuned configs, as entries {kernel, device, shape, config} (``export_table`` makes them)."""
+
+    def __init__(self, entries):
+        self.entries = entries
+
+    @classmethod
+    def load(cls, path=TABLE_PATH):
+        try:
+            with open(path) as f:
+                return cls(json.load(f)["entries"])
+        except FileNotFoundError:
+            return cls([])
+
+    def choose(self, kernel_name, device, shape, candidates):
+        """The config of the entry for this shape, else of the nearest tuned shape (same GPU,
+        ``SAME`` items; nearest in log2 of batch x seqlen x heads, then features, state dtype and
+        groups), among those whose config is one of ``candidates`` (the current search space);
+        None if no entry qualifies."""
+        want = {k: str(v) for k, v in shape.items() if k != "space"}
+        mine = [e for e in self.entries if e["kernel"] == kernel_name and e["device"] == device
+                and all(e["shape"].get(k) == want.get(k) for k in SAME)]
+
+        def distance(entry):
+            other = entry["shape"]
+            far = abs(math.log2(_work(other)) - math.log2(_work(want)))
+            return (far, sum(other.get(k) != want.get(k)
+                             for k in ("features", "states_dtype", "ngroups", "batch", "nheads")))
+
+        for entry in sorted(mine, key=distance):
+            if entry["config"] in candidates:
+                return entry["config"]
+        return None
+
+
+_TABLE = None
+
+
+def table():
+    """The committed table (loaded on first use)."""
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = Table.load()
+    return _TABLE
+
+
+def export_table(cache_paths, out_path=TABLE_PATH):
+    """Write the searches' winners of autotune caches as a table: one entry per kernel, device
+    and shape (the latest search where a shape was searched more than once). Returns the count."""
+    best = {}
+    for path in cache_paths:
+        with open(path) as f:
+            cache = json.load(f)
+        for key, value in cache.items():
+            if key.endswith(FAULTED):
+                continue
+            kernel, device, shape = parse_key(key)
+            shape.pop("space", None)
+            ident = (kernel, device, tuple(sorted(shape.items())))
+            entry = {"kernel": kernel, "device": device, "shape": shape,
+                     "config": value["config"], "tuned_at": value.get("tuned_at", "")}
+            if ident not in best or entry["tuned_at"] >= best[ident]["tuned_at"]:
+                best[ident] = entry
+    entries = [best[k] for k in sorted(best)]
+    with open(out_path, "w") as f:
+        json.dump({"about": "winners of autotune searches (python -m ops.autotune export); "
+                            "read by ops.autotune.Table", "entries": entries}, f, indent=1)
+        f.write("\n")
+    return len(entries)
+
+
+if __name__ == "__main__":
+    from .tools.tune import main
+    main()

@@ -40,39 +40,50 @@ _DEFAULTS = {}
 
 
 def _config(name, configs, shape, features, run):
-    """The config a kernel runs with: the one given, else (on a GPU, with tuning on) the
-    autotuner's choice for this shape, else the default. ``run(config)`` launches the kernel.
+    """The config a kernel runs with: the one given, else (on a GPU) the tuned one for this
+    shape -- from the cache or the committed table, or a search where one is asked for
+    (``ops/autotune.py``) -- else the default. ``run(config)`` launches the kernel.
 
     Called on every forward, so the answer is memoised per exact shape (on the tuner object
-    when tuning, so a new tuner starts afresh): building the search space and the tuner's key
+    off the CPU, so a new tuner starts afresh): building the search space and the tuner's key
     costs 0.03-0.4 ms of Python per kernel, together more than a whole forward pass at 1K tokens."""
     if name in configs:
         return configs[name]
-    from .autotune import enabled, tuner
-    tuning = shape["on_gpu"] and enabled()   # the interpreter is not timed: defaults only
-    memo_key = (name, features, tuple(shape.items()))
-    memo = tuner().chosen if tuning else _DEFAULTS
+    from .autotune import mode, tuner
+    how = mode() if shape["on_gpu"] else "off"     # the interpreter is not timed: defaults only
+    memo_key = (name, features, how, tuple(shape.items()))
+    memo = _DEFAULTS if how == "off" else tuner().chosen
     if memo_key not in memo:
-        memo[memo_key] = _choose(name, shape, features, run, tuning)
+        memo[memo_key] = _choose(name, shape, features, run, how)
     return memo[memo_key]
 
 
-def _choose(name, shape, features, run, tuning):
+def _choose(name, shape, features, run, how):
     module = KERNELS[name]
     default = module.default_config(**shape)
-    if not tuning:
+    if how == "off":
         return default
-    from .autotune import seqlen_bucket, tuner
+    from .autotune import tuner
+    key, space = tuning_key(name, shape, features)
+    if how == "table":
+        return tuner().lookup(name, key, space, default)
+    return tuner().best(name, key, space, default, run)
+
+
+def tuning_key(name, shape, features):
+    """(the tuner's shape key, the search space) of kernel ``name`` at ``shape`` (as
+    ``kernel_forward`` describes a call) with ``features`` ("D", "z", "s", "i" present)."""
+    from .autotune import seqlen_bucket
     sizes = {k: v for k, v in shape.items() if k != "on_gpu"}
     key = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
            for k, v in sizes.items()}
     key["seqlen"] = seqlen_bucket(shape["seqlen"])
     key["features"] = features
-    space = module.search_space(**sizes)
+    space = KERNELS[name].search_space(**sizes)
     # A fingerprint of the candidates: when a search space changes, its shapes are tuned again
     # instead of reusing a winner picked from the old list.
     key["space"] = hashlib.sha256(repr(space).encode()).hexdigest()[:8]
-    return tuner().best(name, key, space, default, run)
+    return key, space
 
 
 def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -86,8 +97,8 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
     ``configs``: ``{"chunk_cumsum": {...}, "fwd_pass_state": {...}, "compute_out": {...}}``,
     any of them optional. A kernel without a config runs its default on the CPU interpreter,
-    and on a GPU the autotuner's choice for the shape (``ops/autotune.py``; tuned on first use,
-    then cached; ``MAMBA2_CUTILE_AUTOTUNE=0`` for the defaults)."""
+    and on a GPU the tuned config for the shape (``ops/autotune.py``: a cached search's, else the
+    committed table's; ``MAMBA2_CUTILE_AUTOTUNE=1`` searches, ``=0`` runs the defaults)."""
     check_sizes(headdim=x.shape[3], dstate=B.shape[3])   # before anything runs
     configs = dict(configs or {})
     unknown = set(configs) - set(KERNELS)

@@ -180,3 +180,107 @@ def test_a_gpu_fault_stops_the_search(tmp_path):
     assert again.best("compute_out", SHAPE, CONFIGS, CONFIGS[0], run) == CONFIGS[0]
     assert 128 not in gpu.launched and "skipping 1 config(s) that faulted" in out.getvalue()
     assert json.load(open(again.path))[again.key("compute_out", SHAPE)]["config"] == CONFIGS[0]
+
+
+# Without a search: the committed table ----------------------------------------------------------
+
+from ops import forward as forward_mod           # noqa: E402
+from ops.autotune import TABLE_PATH, Table, export_table, mode, parse_key  # noqa: E402
+from ops.forward import KERNELS                   # noqa: E402
+
+
+@pytest.mark.parametrize("value, expected", [("", "table"), ("1", "search"), ("on", "search"),
+                                             ("0", "off"), ("off", "off"), ("table", "table")])
+def test_modes(monkeypatch, value, expected):
+    monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", value)
+    assert mode() == expected
+
+
+TABLE_SHAPE = dict(batch="1", chunk_size="256", dstate="128", dtype="bfloat16", features="D",
+                   headdim="64", ngroups="1", nheads="80", seqlen="16384", states_dtype="bfloat16")
+
+
+def _entry(config, device="Test GPU", kernel="compute_out", **shape):
+    return {"kernel": kernel, "device": device, "shape": {**TABLE_SHAPE, **shape},
+            "config": config, "tuned_at": "2026-01-01 00:00:00"}
+
+
+def test_table_takes_the_shape_else_the_nearest_valid_one():
+    a, b, c = CONFIGS[:3]
+    t = Table([_entry(a, seqlen="16384"), _entry(b, seqlen="262144"),
+               _entry(c, seqlen="4096", dstate="256"), _entry(c, device="Other GPU")])
+    shape = {**TABLE_SHAPE, "space": "whatever"}
+    assert t.choose("compute_out", "Test GPU", shape, CONFIGS) == a                  # exact
+    assert t.choose("compute_out", "Test GPU", {**shape, "seqlen": "131072"}, CONFIGS) == b
+    # batch 8 x 2K tokens is the work of 16K tokens at batch 1: the 16K entry is the nearest
+    assert t.choose("compute_out", "Test GPU", {**shape, "batch": "8", "seqlen": "2048"}, CONFIGS) == a
+    assert t.choose("compute_out", "Test GPU", shape, [b, c]) == b    # a is not valid here: next
+    assert t.choose("compute_out", "Test GPU", {**shape, "dstate": "64"}, CONFIGS) is None
+    assert t.choose("fwd_pass_state", "Test GPU", shape, CONFIGS) is None
+    assert t.choose("compute_out", "Third GPU", shape, CONFIGS) is None
+
+
+def test_lookup_prefers_an_earlier_search_then_the_table_then_the_default(tmp_path, monkeypatch):
+    import ops.autotune as autotune
+    monkeypatch.setattr(autotune, "_TABLE", Table([_entry(CONFIGS[1])]))
+    gpu = FakeGPU()
+    t = _tuner(tmp_path, gpu)
+    shape = {**TABLE_SHAPE, "space": "x"}
+    assert t.lookup("compute_out", shape, CONFIGS, CONFIGS[0]) == CONFIGS[1]           # table
+    assert t.lookup("compute_out", {**shape, "dstate": "64"}, CONFIGS, CONFIGS[0]) == CONFIGS[0]
+    assert t.best("compute_out", shape, [CONFIGS[3]], CONFIGS[3], gpu.run) == CONFIGS[3]  # search
+    assert t.lookup("compute_out", shape, CONFIGS, CONFIGS[0]) == CONFIGS[3]           # cache
+    assert gpu.launched == [32]                        # the search, once; the lookups: nothing
+
+
+def test_export_keeps_the_latest_search_of_each_shape(tmp_path):
+    key = "compute_out|Test GPU|cuda-tile 1.7.0|" + ",".join(f"{k}={v}" for k, v in sorted(
+        {**TABLE_SHAPE, "space": "s1"}.items()))
+    cache = {key: {"config": CONFIGS[0], "tuned_at": "2026-01-01 00:00:00"},
+             key.replace("space=s1", "space=s2"): {"config": CONFIGS[1], "tuned_at": "2026-02-01 00:00:00"},
+             key + "|faulted": {"configs": [CONFIGS[2]]}}
+    (tmp_path / "c.json").write_text(json.dumps(cache))
+    assert parse_key(key)[:2] == ("compute_out", "Test GPU")
+    assert export_table([tmp_path / "c.json"], tmp_path / "t.json") == 1
+    t = Table.load(tmp_path / "t.json")
+    assert [e["config"] for e in t.entries] == [CONFIGS[1]]
+
+
+def _sizes(shape):
+    import torch
+    out = {}
+    for k, v in shape.items():
+        if k in ("dtype", "states_dtype"):
+            out[k] = getattr(torch, v)
+        elif k != "features":
+            out[k] = int(v)
+    return out
+
+
+def test_every_committed_entry_is_valid_today():
+    """Each config of the committed table is in its kernel's current search space at its shape:
+    ``choose`` would otherwise skip it, and the table would silently stop being used."""
+    entries = Table.load(TABLE_PATH).entries
+    assert len(entries) >= 80 and {e["device"] for e in entries} >= {"NVIDIA H200"}
+    for e in entries:
+        space = KERNELS[e["kernel"]].search_space(**_sizes(e["shape"]))
+        assert e["config"] in space, (e["kernel"], e["shape"])
+
+
+def test_forward_on_a_gpu_takes_the_table_by_default(monkeypatch, tmp_path):
+    """ops.forward's choice for a GPU shape in the table, with no search and no cache: the
+    table's config (the tuner is told it runs on an H200; nothing is launched)."""
+    import torch
+
+    import ops.autotune as autotune
+    monkeypatch.delenv("MAMBA2_CUTILE_AUTOTUNE")
+    monkeypatch.setattr(autotune, "_TUNER", Autotuner(path=str(tmp_path / "none.json"),
+                                                      measure=lambda f: 1 / 0, device="NVIDIA H200"))
+    entry = next(e for e in Table.load(TABLE_PATH).entries
+                 if e["kernel"] == "compute_out" and e["shape"]["seqlen"] == "65536"
+                 and e["shape"]["dstate"] == "256" and e["shape"]["chunk_size"] == "256")
+    shape = dict(_sizes(entry["shape"]), on_gpu=True)
+    shape["dtype"] = shape["states_dtype"] = torch.bfloat16
+    run = lambda cfg: pytest.fail("a lookup must not launch")
+    assert forward_mod._config("compute_out", {}, shape, "D", run) == entry["config"]
+    assert entry["config"] != KERNELS["compute_out"].default_config(**shape)

@@ -300,16 +300,10 @@ def test_cuda_graph_replay_equals_eager():
     kw = gpu_problem(seq_boundaries=[40])
     call = lambda: mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS,
                                              return_final_states=True, backend="cutile")
+    from tests.benchmark import capture_graph
     with torch.no_grad():
-        eager = call()                       # compiles the kernels before the capture
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            captured = call()
+        eager = call()
+        graph, captured = capture_graph(call)
         for t in captured:
             t.fill_(float("nan"))
         graph.replay()

@@ -9,6 +9,8 @@
 Implementations (``--impls``; one that is not installed is recorded as such and the run goes on):
     triton     mamba_ssm's ``mamba_chunk_scan_combined``: the published Triton kernels, forward only
     cutile     this project, ``ops.mamba_chunk_scan_combined(..., backend="cutile")``, autotuned
+               (a search per shape with MAMBA2_CUTILE_AUTOTUNE=1, as run_h200.sh sets it;
+               otherwise the committed table of tuned configs)
     cutile_default  the same kernels at their default configs (autotuning switched off for the
                call): tuned against untuned, side by side
     tilegym    NVIDIA TileGym's cuTile ``mamba2_chunk_forward``; it takes the processed dt

@@ -52,6 +52,9 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/bench_out}
 WORK=${BENCH_WORK:-$PWD/.cache/bench}
 IMPLS=${IMPLS:-triton,cutile,tilegym}
+# "cutile" is the autotuned forward: every shape is searched (the library's default path would
+# read the committed table instead; ops/autotune.py).
+export MAMBA2_CUTILE_AUTOTUNE=${MAMBA2_CUTILE_AUTOTUNE:-1}
 SEQLENS=${SEQLENS:-1K,4K,16K,64K,256K}
 DSTATES=${DSTATES:-64,128,256,512}
 SWEEP_SEQLENS=${SWEEP_SEQLENS:-$SEQLENS}

@@ -1,0 +1,88 @@
+"""Host time of one forward call: eager against a CUDA-graph replay, and where the eager time goes.
+
+    python -m tests.benchmark.host_time [--shape batch=1,seqlen=1024,nheads=24] [--out F.csv]
+
+At small shapes a forward pass is a few tens of microseconds of GPU work, so an eager call costs
+what its Python does: the checks, the config lookup, building three plans and launching them.
+Measured here, each as the median over many calls after warm-up (the GPU work is queued, not
+waited for, except where said):
+  * eager: ``mamba_chunk_scan_combined`` called back to back (per call, synchronised every 50);
+  * graph: the same call captured once in a CUDA graph and replayed;
+  * launch: one ``ct.launch`` of a tiny kernel, the floor of any launch;
+  * the parts of an eager call: the entry point's checks, the custom op's dispatch, and
+    ``kernel_forward`` alone.
+"""
+import argparse
+import csv
+import statistics
+import time
+
+import torch
+
+
+def per_call(fn, calls=50, repeats=15):
+    """Median over ``repeats`` of (wall time of ``calls`` calls, then a synchronise) / calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def main(argv=None):
+    import cuda.tile as ct
+
+    from ops import mamba_chunk_scan_combined
+    from ops.forward import kernel_forward
+    from ops.ssd_combined import _check_inputs
+    from ops.tools.tune import DEFAULTS, make_inputs, parse_shape
+    from tests.benchmark import capture_graph
+    from tests.example_kernels import vector_add
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="batch=1,seqlen=1024,nheads=24")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    shape = parse_shape(args.shape, DEFAULTS)
+    kw = make_inputs(shape, torch.bfloat16, "D")
+    q = shape["chunk_size"]
+    call = lambda: mamba_chunk_scan_combined(**kw, chunk_size=q, dt_softplus=True, backend="cutile")
+    rows = {}
+    with torch.no_grad():
+        rows["eager call"] = per_call(call)
+        graph, captured = capture_graph(call)
+        eager = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), "the replay must equal the eager call"
+        rows["graph replay"] = per_call(graph.replay)
+        a = torch.ones(1024, device="cuda")
+        c = torch.empty_like(a)
+        stream = torch.cuda.current_stream()
+        rows["one ct.launch (vector_add, 8 blocks)"] = per_call(
+            lambda: ct.launch(stream, (8,), vector_add, (a, a, c, 128)))
+        rows["entry-point checks"] = per_call(lambda: _check_inputs(
+            kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], q, kw["D"], None, kw["dt_bias"], None,
+            None, None, (0.0, float("inf")), False, None))
+        rows["kernel_forward alone"] = per_call(lambda: kernel_forward(
+            kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], q, D=kw["D"], dt_bias=kw["dt_bias"],
+            dt_softplus=True))
+    for name, seconds in rows.items():
+        print(f"{name:40s} {seconds * 1e3:8.4f} ms")
+    print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")
+    if args.out:
+        with open(args.out, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["shape", "what", "ms", "device", "torch"])
+            for name, seconds in rows.items():
+                w.writerow([args.shape, name, seconds * 1e3, torch.cuda.get_device_name(), torch.__version__])
+
+
+if __name__ == "__main__":
+    main()
