@@ -31,6 +31,8 @@ import sys
 import tempfile
 import time
 
+from .checks import tile_size
+
 ENV_SWITCH = "MAMBA2_CUTILE_AUTOTUNE"
 ENV_CACHE = "MAMBA2_CUTILE_AUTOTUNE_CACHE"
 ENV_QUIET = "MAMBA2_CUTILE_AUTOTUNE_QUIET"
@@ -269,8 +271,15 @@ def parse_key(key):
 
 
 # Shape items a table entry must share with the call (they change which configs are valid and
-# what they cost); the others only decide which entry is nearest.
+# what they cost; headdim and dstate through their tiles); the others decide which is nearest.
 SAME = ("headdim", "dstate", "chunk_size", "dtype")
+
+
+def _same(item, a, b):
+    """headdim and dstate match by the tile they are computed in (48 runs as 64), the rest exactly."""
+    if item in ("headdim", "dstate") and a is not None and b is not None:
+        return tile_size(int(a)) == tile_size(int(b))
+    return a == b
 
 
 def _work(shape):
@@ -298,13 +307,14 @@ class Table:
         None if no entry qualifies."""
         want = {k: str(v) for k, v in shape.items() if k != "space"}
         mine = [e for e in self.entries if e["kernel"] == kernel_name and e["device"] == device
-                and all(e["shape"].get(k) == want.get(k) for k in SAME)]
+                and all(_same(k, e["shape"].get(k), want.get(k)) for k in SAME)]
 
         def distance(entry):
             other = entry["shape"]
             far = abs(math.log2(_work(other)) - math.log2(_work(want)))
             return (far, sum(other.get(k) != want.get(k)
-                             for k in ("features", "states_dtype", "ngroups", "batch", "nheads")))
+                             for k in ("headdim", "dstate", "features", "states_dtype", "ngroups",
+                                       "batch", "nheads")))
 
         for entry in sorted(mine, key=distance):
             if entry["config"] in candidates:

@@ -29,8 +29,25 @@ def check_chunk_size(chunk_size):
         raise ValueError(f"chunk_size must be a power of two in [16, 256]; got {chunk_size}")
 
 
+MAX_HEADDIM, MAX_DSTATE = 256, 512
+
+
+def tile_size(n):
+    """The tile a dimension of ``n`` elements is computed in: the next power of two, at least 16
+    (tensor-core products take 16 at least); the loads pad the rest with zeros, the stores drop
+    it."""
+    return max(16, next_pow2(n))
+
+
 def check_sizes(headdim, dstate):
-    """headdim and dstate become tile dimensions, which must be powers of two."""
+    """Any headdim in [1, 256] and dstate in [1, 512]: the kernels pad them to ``tile_size``."""
+    for name, value, top in (("headdim", headdim, MAX_HEADDIM), ("dstate", dstate, MAX_DSTATE)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+            raise ValueError(f"{name} must be an integer in [1, {top}], got {value}")
+
+
+def check_tile_sizes(headdim, dstate):
+    """headdim and dstate used as tile dimensions themselves (the core kernels): powers of two."""
     if not is_pow2_in(headdim, 16, 128):
         raise ValueError(f"headdim must be a power of two in [16, 128], got {headdim}")
     if not is_pow2_in(dstate, 16, 512):

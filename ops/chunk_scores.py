@@ -26,7 +26,7 @@ import torch
 import cuda.tile as ct
 
 from .launch import Plan, fit_index_width
-from .utils import ZERO, ConstInt, cdiv, latency_hint, new_output
+from .utils import ZERO, ConstInt, cdiv, latency_hint, new_output, tile_size
 
 
 @ct.kernel
@@ -73,6 +73,7 @@ def chunk_scores_plan(B, C, scores, block_m, block_k, dstate_tile, load_lat=0):
     """The ``Plan`` filling ``scores`` (from ``new_scores``, its one output) with C B^T per chunk
     and group, in (block_m, block_k) tiles (those compute_out reads them in)."""
     batch, _, ngroups, dstate = B.shape
+    dstate = tile_size(dstate)            # a dstate that is not a power of two: zero-padded
     nchunks, chunk_size = scores.shape[1], scores.shape[3]
     if chunk_size % block_m or chunk_size % block_k or dstate % dstate_tile:
         raise ValueError(f"tiles ({block_m}, {block_k}, dstate tile {dstate_tile}) must divide the "

@@ -106,7 +106,7 @@ from .chunk_scores import chunk_scores_plan, new_scores
 from .configs import resolve_config, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups, check_sizes,
-                    element_size, latency_hint, multiprocessors, new_output)
+                    element_size, latency_hint, multiprocessors, new_output, tile_size)
 
 
 # Blocks resident per multiprocessor with one head per block, unless the config says otherwise.
@@ -229,19 +229,29 @@ def store_tokens(out, b, index, hb, pi, tile, HB, BLOCK_T, BLOCK_P, SWAP, STORE_
                  order=(0, 2, 1, 3), latency=latency_hint(STORE_LAT))
 
 
-def load_states(entry_states, b, c, hb, pi, k, dtype, HB, BLOCK_P, WIDTH, LOAD_LAT):
+def load_states(entry_states, b, c, hb, pi, k, dtype, HB, BLOCK_P, WIDTH, LOAD_LAT, PADDED):
     """Slice k (WIDTH dstate columns) of the HB heads' entry states of chunk c, in ``dtype``:
     (BLOCK_P, WIDTH), or (HB, BLOCK_P, WIDTH); the heads are adjacent in (batch, nchunks,
-    nheads, headdim, dstate)."""
-    t = ct.load(entry_states, (b, c, hb, pi, k), shape=(1, 1, HB, BLOCK_P, WIDTH),
-                latency=latency_hint(LOAD_LAT))
+    nheads, headdim, dstate). PADDED: the tile may reach past headdim or dstate (sizes that
+    are not powers of two), so the load pads with zeros (0 * padding must stay 0)."""
+    if PADDED:
+        t = ct.load(entry_states, (b, c, hb, pi, k), shape=(1, 1, HB, BLOCK_P, WIDTH),
+                    padding_mode=ZERO, latency=latency_hint(LOAD_LAT))
+    else:
+        t = ct.load(entry_states, (b, c, hb, pi, k), shape=(1, 1, HB, BLOCK_P, WIDTH),
+                    latency=latency_hint(LOAD_LAT))
     return ct.reshape(t, (BLOCK_P, WIDTH) if HB == 1 else (HB, BLOCK_P, WIDTH)).astype(dtype)
 
 
-def skip_factor(D, hb, pi, HB, BLOCK_P, D_HAS_HDIM, SWAP):
+def skip_factor(D, hb, pi, HB, BLOCK_P, D_HAS_HDIM, SWAP, PADDED):
     """D of the HB heads as float32, shaped to multiply the accumulator's x rows: one value per
-    head, or one per head and headdim column (D_HAS_HDIM)."""
-    if D_HAS_HDIM:
+    head, or one per head and headdim column (D_HAS_HDIM; zero-padded past headdim if PADDED)."""
+    if D_HAS_HDIM and PADDED:
+        d = ct.load(D, (hb, pi), shape=(HB, BLOCK_P), padding_mode=ZERO)
+        if HB == 1:
+            d = ct.reshape(d, (BLOCK_P,))
+        factor = along_cols(d.astype(ct.float32), SWAP)
+    elif D_HAS_HDIM:
         d = ct.load(D, (hb, pi), shape=(HB, BLOCK_P))
         if HB == 1:
             d = ct.reshape(d, (BLOCK_P,))
@@ -328,6 +338,7 @@ def compute_out_kernel(
     STORE_LAT: ConstInt,                # latency hint of the output store; 0 = none
     HEADS_PER_BLOCK: ConstInt,          # HB heads of one group per block (divides heads_per_group)
     PERSISTENT: ConstBool,              # a fixed grid of blocks, each looping over tiles
+    PADDED: ConstBool,                  # tiles reach past headdim or dstate (not powers of two)
 ):
     """One (row tile, p tile, head block) per block, or with PERSISTENT as many blocks as fit on
     the GPU at once, each taking every num_blocks-th tile (see "Persistent blocks")."""
@@ -338,12 +349,12 @@ def compute_out_kernel(
             output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
                         scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
                         DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP,
-                        SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK)
+                        SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK, PADDED)
     else:
         output_tile(ct.bid(0), x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out,
                     scores, heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE,
                     DSTATE_TILE, HAS_D, D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY,
-                    LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK)
+                    LOAD_LAT, STORE_LAT, HEADS_PER_BLOCK, PADDED)
 
 
 def head_blocks(x, HB):
@@ -354,7 +365,8 @@ def head_blocks(x, HB):
 
 def output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx, out, scores,
                 heads_per_group, CHUNK, BLOCK_M, BLOCK_K, BLOCK_P, DSTATE, DSTATE_TILE, HAS_D,
-                D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT, HB):
+                D_HAS_HDIM, HAS_Z, HAS_SEQ_IDX, SWAP, SCORES_IN_MEMORY, LOAD_LAT, STORE_LAT, HB,
+                PADDED):
     """The work of one tile of compute_out_kernel (its body, for one ``tile_id``): BLOCK_M rows
     of one chunk, BLOCK_P headdim columns, HB heads. What does not depend on the head (C, B,
     C B^T, the masks) is computed once for the HB heads (see "Sharing C B^T between heads")."""
@@ -384,14 +396,15 @@ def output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx
     if NK == 1:
         # C rows stay in registers for the whole block (reused by every CB product below).
         c_rows = load_c_rows(C, b, row_tile, g, 0, BLOCK_M, DSTATE, LOAD_LAT)
-        state = load_states(entry_states, b, c, hb, pi, 0, cdtype, HB, BLOCK_P, DSTATE, LOAD_LAT)
+        state = load_states(entry_states, b, c, hb, pi, 0, cdtype, HB, BLOCK_P, DSTATE, LOAD_LAT,
+                            PADDED)
         acc = state_product(c_rows, state, acc, HB, SWAP)
     else:
         c_rows = None                    # C is read slice by slice, also in the products below
         for k in range(NK):
             c_k = load_c_rows(C, b, row_tile, g, k, BLOCK_M, DSTATE_TILE, LOAD_LAT)
             state = load_states(entry_states, b, c, hb, pi, k, cdtype, HB, BLOCK_P, DSTATE_TILE,
-                                LOAD_LAT)
+                                LOAD_LAT, PADDED)
             acc = state_product(c_k, state, acc, HB, SWAP)
 
     row_scale = ct.exp2(dA_rows)
@@ -436,7 +449,7 @@ def output_tile(tile_id, x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx
     if HAS_D:
         x_rows = load_tokens(x, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
                              LOAD_LAT).astype(ct.float32)
-        acc = acc + x_rows * skip_factor(D, hb, pi, HB, BLOCK_P, D_HAS_HDIM, SWAP)
+        acc = acc + x_rows * skip_factor(D, hb, pi, HB, BLOCK_P, D_HAS_HDIM, SWAP, PADDED)
     if HAS_Z:
         z_rows = load_tokens(z, b, row_tile, hb, pi, HB, BLOCK_M, BLOCK_P, SWAP,
                              LOAD_LAT).astype(ct.float32)
@@ -458,8 +471,8 @@ def pick_tiles(chunk_size, headdim, dstate, block_m=None, block_k=None, block_p=
     Every tile dimension is a power of two no larger than what it tiles."""
     bm = min(block_m or 64, chunk_size)
     bk = min(block_k or 64, chunk_size)
-    bp = min(block_p or headdim, headdim)
-    dt_ = min(dstate_tile or 128, dstate)
+    bp = min(block_p or min(tile_size(headdim), 128), tile_size(headdim))
+    dt_ = min(dstate_tile or 128, tile_size(dstate))
     return bm, bk, bp, dt_
 
 
@@ -481,7 +494,7 @@ def block_footprint(cfg, *, dstate, dtype=torch.bfloat16, **_):
     (B and x columns) twice (the next step's loads in flight), plus the C rows and the states."""
     hb, bm, bk, bp = (cfg[k] for k in ("HEADS_PER_BLOCK", "BLOCK_M", "BLOCK_K", "BLOCK_P"))
     dtile, es = cfg["DSTATE_TILE"], element_size(dtype)
-    resident_c = bm * dtile * es // 4 if dtile == dstate else 0
+    resident_c = bm * dtile * es // 4 if dtile == tile_size(dstate) else 0
     words = hb * bm * bp + hb * bm * bk + bm * bk + resident_c
     smem = es * (bm * dtile + hb * bp * dtile + 2 * (bk * dtile + hb * bk * bp))
     return words, smem
@@ -580,7 +593,7 @@ def search_space(*, chunk_size, headdim, dstate, nheads, ngroups=1, dtype=torch.
         configs += [{**anchor, "LOAD_LAT": ll, "STORE_LAT": sl}
                     for ll, sl in (((3, 0), (8, 0), (0, 8)) if one_head else ((8, 0), (0, 8)))]
         if dstate > 128:
-            configs.append({**anchor, "DSTATE_TILE": dstate})
+            configs.append({**anchor, "DSTATE_TILE": tile_size(dstate)})
     kept = [c for c in configs if fits(c, **kw)]
     # C B^T from memory (ops/chunk_scores.py) instead of in registers: one head per block in
     # both operand orders, and two heads per block.
@@ -674,10 +687,10 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
             seq_idx if seq_idx is not None else dt_out,
             out,
             scores if before else dA_cumsum,
-            nheads // ngroups, chunk_size, bm, bk, bp, dstate, dtile,
+            nheads // ngroups, chunk_size, bm, bk, bp, tile_size(dstate), dtile,
             D is not None, D is not None and D.dim() == 2, z is not None, seq_idx is not None,
             bool(cfg["SWAP"]), bool(before), cfg["LOAD_LAT"], cfg["STORE_LAT"], hb,
-            bool(cfg["PERSISTENT"]))
+            bool(cfg["PERSISTENT"]), headdim % bp != 0 or dstate != tile_size(dstate))
     tiles = (nheads // hb) * cdiv(headdim, bp) * cdiv(seqlen, bm)
     if cfg["PERSISTENT"]:
         # As many blocks as are resident at once: no tail wave.

@@ -23,6 +23,7 @@ from . import fwd_pass_state as fwd_pass_state_module
 from .chunk_cumsum import chunk_cumsum
 from .compute_out import compute_out
 from .fwd_pass_state import fwd_pass_state
+from .launch import PlanTemplate, run, tensor_key
 from .utils import as_int32, check_sizes
 
 # Tests set this to NaN-fill every output buffer before the kernels write it, so an element a
@@ -86,6 +87,36 @@ def tuning_key(name, shape, features):
     return key, space
 
 
+# Plans of recent calls, by what they depend on (ops.launch.PlanTemplate): a call like an earlier
+# one re-uses its plan instead of building it again (tens of microseconds of Python per kernel).
+_PLANS = {}
+PLAN_CACHE_SIZE = 512
+
+
+def _run_step(name, args, options, config, stream=None):
+    """Run kernel ``name``'s plan for ``args`` and ``options`` (its ``*_plan`` function's
+    positional and keyword arguments) with ``config`` (on ``stream`` for CUDA tensors, looked up
+    once per forward pass); returns the plan's outputs."""
+    plan_of = getattr(KERNELS[name], f"{name}_plan")
+    if POISON_OUTPUTS:
+        return run(plan_of(*args, **options, poison=True, config=config), stream)
+    values = tuple(args) + tuple(options.values())
+    key = (name, tuple(options), tensor_key(values), tuple(sorted(config.items())))
+    try:
+        template = _PLANS.get(key)
+    except TypeError:                                  # an unhashable config value: no re-use
+        return run(plan_of(*args, **options, config=config), stream)
+    if template is None:
+        plan = plan_of(*args, **options, config=config)
+        template = PlanTemplate(plan, values)
+        if template.usable:
+            if len(_PLANS) >= PLAN_CACHE_SIZE:
+                _PLANS.pop(next(iter(_PLANS)))         # the oldest
+            _PLANS[key] = template
+        return run(plan, stream)
+    return run(template.bind(values), stream)
+
+
 def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), configs=None, states_dtype=None,
@@ -116,7 +147,8 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     cumsum_args = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
     cfg = _config("chunk_cumsum", configs, shape, features,
                   lambda c: chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
-    dt_out, dA_cumsum = chunk_cumsum(dt, A, chunk_size, **cumsum_args, poison=POISON_OUTPUTS, config=cfg)
+    stream = torch.cuda.current_stream() if x.is_cuda else None
+    dt_out, dA_cumsum = _run_step("chunk_cumsum", (dt, A, chunk_size), cumsum_args, cfg, stream)
 
     # Entry states are stored in x's dtype by default: compute_out rounds them to C's (== x's)
     # dtype for its product anyway, so 16-bit storage changes nothing there but halves the
@@ -124,14 +156,14 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=states_dtype)
     cfg = _config("fwd_pass_state", configs, shape, features,
                   lambda c: fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
-    entry_states, final_states = fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args,
-                                                poison=POISON_OUTPUTS, config=cfg)
+    entry_states, final_states = _run_step("fwd_pass_state", (x, B, dt_out, dA_cumsum), state_args,
+                                           cfg, stream)
 
     out_args = dict(D=D, z=z, seq_idx=seq_idx)
     cfg = _config("compute_out", configs, shape, features,
                   lambda c: compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, config=c))
-    out = compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, poison=POISON_OUTPUTS,
-                      config=cfg)
+    out, = _run_step("compute_out", (x, B, C, dt_out, dA_cumsum, entry_states), out_args, cfg,
+                     stream)
     if return_intermediates:
         return out, final_states, (dt_out, dA_cumsum, entry_states)
     return out, final_states

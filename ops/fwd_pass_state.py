@@ -80,7 +80,7 @@ import cuda.tile as ct
 from .configs import resolve_config, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups, check_sizes,
-                    element_size, is_pow2_in, latency_hint, multiprocessors, new_output)
+                    element_size, is_pow2_in, latency_hint, multiprocessors, new_output, tile_size)
 
 
 # Helpers called from the kernel below. Plain functions are compiled into the kernel that calls
@@ -240,10 +240,11 @@ def fwd_pass_state_kernel(
 
 def pick_tiles(headdim, dstate, states_dtype, block_p=None, block_n=None):
     """Default tiles for an H200 (see "Parallelism"): 64 headdim rows; 128 dstate columns
-    with 16-bit entry states, 64 with float32 ones (twice the bytes to store per chunk)."""
-    bp = min(block_p or 64, headdim)
+    with 16-bit entry states, 64 with float32 ones (twice the bytes to store per chunk). A
+    headdim or dstate that is not a power of two is tiled as ``tile_size`` (zero-padded)."""
+    bp = min(block_p or 64, tile_size(headdim))
     wide = states_dtype in (torch.bfloat16, torch.float16)
-    bn = min(block_n or (128 if wide else 64), dstate)
+    bn = min(block_n or (128 if wide else 64), tile_size(dstate))
     return bp, bn
 
 
@@ -283,7 +284,7 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     base = default_config(headdim=headdim, dstate=dstate, dtype=dtype, **shape)
     tiles = [(base["BLOCK_P"], base["BLOCK_N"])]
     for bp, bn in ((64, 64), (64, 128), (32, 128), (32, 64)):
-        if bp <= headdim and bn <= dstate and (bp, bn) not in tiles:
+        if bp <= tile_size(headdim) and bn <= tile_size(dstate) and (bp, bn) not in tiles:
             tiles.append((bp, bn))
     configs = [base]
     for bp, bn in tiles:
@@ -302,8 +303,8 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     # most 4, where the registers run out). Each with and without the long load-latency hint
     # (both paid on their own on the H200).
     blocks = lambda bp, bn: (shape.get("batch", 1) * shape.get("nheads", 1)
-                             * (headdim // bp) * (dstate // bn))
-    narrow = [(bp, bn) for bp, bn in ((64, 32),) if bp <= headdim and bn <= dstate]
+                             * cdiv(headdim, bp) * cdiv(dstate, bn))
+    narrow = [(bp, bn) for bp, bn in ((64, 32),) if bp <= tile_size(headdim) and bn <= tile_size(dstate)]
     sms = multiprocessors()      # the current GPU's (132 without one): prunes occupancies only
     for bp, bn in tiles[1:] + narrow:      # 64 x 32: 32 dstate columns, x read from L2 again
         n = blocks(bp, bn)
@@ -337,8 +338,8 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
     nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     cfg = resolve_config(config, default_config(headdim=headdim, dstate=dstate, dtype=x.dtype,
                                                 states_dtype=states_dtype))
-    bp = min(block_p or cfg["BLOCK_P"], headdim)
-    bn = min(block_n or cfg["BLOCK_N"], dstate)
+    bp = min(block_p or cfg["BLOCK_P"], tile_size(headdim))
+    bn = min(block_n or cfg["BLOCK_N"], tile_size(dstate))
     if not (is_pow2_in(bp, 1, 1024) and is_pow2_in(bn, 1, 1024)):
         raise ValueError(f"BLOCK_P ({bp}) and BLOCK_N ({bn}) must be powers of two")
     if cfg["CHUNKS_PER_ITER"] not in (1, 2):

@@ -36,7 +36,9 @@ def _tensors(args):
 
 def _device_type(args):
     """'cuda' or 'cpu' for the tensors in `args` (or 'cpu' when there are none)."""
-    types = {t.device.type for t in _tensors(args)}
+    types = set()
+    for t in _tensors(args):
+        types.add(t.device.type)
     if len(types) > 1:
         raise ValueError(f"kernel arguments mix devices: {sorted(types)}; "
                          "move all tensors to one device")
@@ -46,12 +48,16 @@ def _device_type(args):
     return device
 
 
-def launch(grid, kernel, args):
+def launch(grid, kernel, args, stream=None):
     """Run `kernel` over `grid` (an int or a tuple of up to 3 ints) with `args`.
 
     CUDA tensors go to ``ct.launch`` on the current stream; CPU tensors to
-    the interpreter.  Mixing devices raises ValueError.
+    the interpreter.  Mixing devices raises ValueError. ``stream``: a CUDA stream the
+    caller has already looked up for CUDA tensors (a launch then skips the device checks).
     """
+    if stream is not None:
+        ct.launch(stream, grid, kernel, tuple(args))
+        return
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     args = tuple(args)
     if _device_type(args) == "cuda":
@@ -93,6 +99,8 @@ def element_reach(t):
     """One past the largest element offset from ``t``'s first element that indexing ``t`` can
     reach: ``numel`` for a contiguous tensor, more for a strided view (size-1 dimensions, whose
     stride is never stepped, do not count)."""
+    if t.is_contiguous():
+        return t.numel()
     if t.numel() == 0:
         return 0
     return 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
@@ -123,9 +131,82 @@ class Plan(NamedTuple):
     before: tuple = ()
 
 
-def run(plan):
-    """Launch ``plan`` (after the launches it needs); returns its outputs."""
+def run(plan, stream=None):
+    """Launch ``plan`` (after the launches it needs); returns its outputs. ``stream``: see
+    ``launch``."""
     for step in plan.before:
-        run(step)
-    launch(plan.grid, plan.kernel, plan.args)
+        run(step, stream)
+    launch(plan.grid, plan.kernel, plan.args, stream)
     return plan.outputs
+
+
+# Re-using a plan ----------------------------------------------------------------------------------
+#
+# Building a plan (checks, configs, the index width, the argument tuple) costs tens of microseconds
+# of Python per kernel, as much as a small launch's GPU time. Calls with tensors of the same
+# shapes, dtypes and strides build the same plan but for the tensors, so ``PlanTemplate`` records
+# where each tensor of a plan comes from, and rebuilds the plan for new tensors.
+
+class PlanTemplate:
+    """A plan with its tensors replaced by their origin: one of the ``inputs`` it was built from,
+    an output buffer (allocated afresh at each ``bind``), or a dummy of at most one element that
+    the kernel never reads (kept as it is). ``usable`` is False for a plan holding any other
+    tensor, whose values would have to be recomputed: such a plan must be built every time."""
+
+    def __init__(self, plan, inputs):
+        self.usable = True
+        self._inputs = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
+        self._buffers = []          # (shape, dtype, device) of each output buffer
+        self._made = {}
+        self._node = self._record(plan)
+        del self._inputs, self._made
+
+    def _outputs_of(self, plan):
+        for step in plan.before:
+            yield from self._outputs_of(step)
+        yield from plan.outputs
+
+    def _record(self, plan):
+        for out in self._outputs_of(plan):
+            if id(out) not in self._made:
+                self._made[id(out)] = len(self._buffers)
+                self._buffers.append((tuple(out.shape), out.dtype, out.device))
+        return (plan.grid, plan.kernel, tuple(self._slot(a) for a in plan.args),
+                tuple(self._slot(o) for o in plan.outputs),
+                tuple(self._record(step) for step in plan.before))
+
+    def _slot(self, value):
+        if not isinstance(value, torch.Tensor):
+            return ("value", value)
+        if id(value) in self._inputs:
+            return ("input", self._inputs[id(value)])
+        if id(value) in self._made:
+            return ("buffer", self._made[id(value)])
+        if value.numel() > 1:
+            self.usable = False
+        return ("value", value)
+
+    def bind(self, inputs):
+        """The plan for ``inputs`` (tensors like the template's, in the same positions)."""
+        fresh = [torch.empty(shape, dtype=dtype, device=device)
+                 for shape, dtype, device in self._buffers]
+        pick = {"input": inputs.__getitem__, "buffer": fresh.__getitem__, "value": lambda v: v}
+
+        def build(node):
+            grid, kernel, args, outputs, before = node
+            return Plan(grid, kernel, tuple(pick[k](v) for k, v in args),
+                        tuple(pick[k](v) for k, v in outputs), tuple(build(b) for b in before))
+        return build(self._node)
+
+
+def tensor_key(values):
+    """What a plan depends on in ``values`` (tensors and others): each tensor's shape, dtype,
+    strides and device, which tensors are the same object, and every other value as it is."""
+    first = {}
+    key = []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            key.append((tuple(v.shape), v.dtype, v.stride(), v.device, first.setdefault(id(v), i)))
+        else:
+            key.append(v)
+    return tuple(key)

@@ -9,11 +9,12 @@ traces a model calling it without a graph break:
     "interpret"  the three cuTile kernels, executed on the CPU by the ops/interpreter/ package
     "cutile"     the three cuTile kernels, compiled and launched on a CUDA GPU
     "auto"       "cutile" for CUDA tensors on a GPU cuTile supports (and sizes the kernels take:
-                 headdim and dstate powers of two, in [16, 128] and [16, 512]), else "reference"
+                 headdim in [1, 256], dstate in [1, 512]), else "reference"
 
 The kernels have no backward yet: asked for a gradient (grad mode on and an input that requires
 one), a kernel backend raises instead of returning a tensor that would silently stop it.
 """
+import functools
 import math
 
 import torch
@@ -81,9 +82,15 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         from .torch_op import forward
         out, final_states, varlen_states = forward(
             *tensors, seq_idx, cu_seqlens, backend="reference", **options)
-    else:
+    elif torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        # Traced (torch.compile, export, fake tensors): the custom operator, opaque to the tracer.
         from .torch_op import ssd_forward
         out, final_states, varlen_states = ssd_forward(
+            *tensors, seq_idx, cu_seqlens, backend=resolved, **options)
+    else:
+        # Eager: the operator's work without its dispatch (tens of microseconds per call).
+        from .torch_op import forward
+        out, final_states, varlen_states = forward(
             *tensors, seq_idx, cu_seqlens, backend=resolved, **options)
     if return_varlen_states:
         return (out, final_states, varlen_states) if return_final_states else (out, varlen_states)
@@ -100,7 +107,13 @@ def cutile_supported(device):
 
 @torch.compiler.assume_constant_result
 def _cutile_runs_on(index):
-    # A constant to torch.compile: it asks the driver and imports cuda.tile once, at tracing.
+    # A constant to torch.compile (asked once, at tracing), and cached for eager calls: the
+    # driver query costs more than a small forward pass's kernels.
+    return _cutile_runs_on_device(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cutile_runs_on_device(index):
     try:
         import cuda.tile  # noqa: F401
     except ImportError:
@@ -109,7 +122,7 @@ def _cutile_runs_on(index):
 
 
 def kernels_take(headdim, dstate):
-    """Whether the kernels tile these sizes (their own check: powers of two in range)."""
+    """Whether the kernels take these sizes (their own check: headdim <= 256, dstate <= 512)."""
     try:
         check_sizes(headdim, dstate)
     except ValueError:

@@ -13,7 +13,7 @@ import torch
 import cuda.tile as ct
 
 from .checks import (cdiv, check_chunk_size, check_groups, check_sizes,  # noqa: F401
-                     is_pow2_in, next_pow2)
+                     is_pow2_in, next_pow2, tile_size)
 
 # Annotations of compile-time constant kernel parameters: each value compiles its own variant.
 ConstInt = ct.Constant[int]

@@ -216,6 +216,8 @@ def test_table_takes_the_shape_else_the_nearest_valid_one():
     assert t.choose("compute_out", "Test GPU", {**shape, "batch": "8", "seqlen": "2048"}, CONFIGS) == a
     assert t.choose("compute_out", "Test GPU", shape, [b, c]) == b    # a is not valid here: next
     assert t.choose("compute_out", "Test GPU", {**shape, "dstate": "64"}, CONFIGS) is None
+    # a dstate of 100 runs in the tiles of 128: that entry serves it
+    assert t.choose("compute_out", "Test GPU", {**shape, "dstate": "100"}, CONFIGS) == a
     assert t.choose("fwd_pass_state", "Test GPU", shape, CONFIGS) is None
     assert t.choose("compute_out", "Third GPU", shape, CONFIGS) is None
 

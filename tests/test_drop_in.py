@@ -350,3 +350,108 @@ def test_a_slice_of_a_million_token_tensor():
                                         backend="cutile")
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.equal(out, ref)
+
+
+# Host time: plans re-used ----------------------------------------------------------------------
+
+def test_repeated_calls_reuse_their_plans_and_stay_exact(monkeypatch):
+    from ops import forward
+    forward._PLANS.clear()
+    first, second = problem(torch.float32), make_problem(batch=1, seqlen=100, nheads=4, headdim=16,
+                                                         ngroups=2, dstate=16, D="2d",
+                                                         dtype=torch.float32, seed=8)
+    run = lambda kw: mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS,
+                                               return_final_states=True, backend="interpret")
+    run(first)
+    assert len(forward._PLANS) == 3                    # one per kernel
+    cached = run(second)
+    assert len(forward._PLANS) == 3                    # the same plans, for new tensors
+    monkeypatch.setattr(forward, "POISON_OUTPUTS", True)   # planned afresh, outputs poisoned
+    fresh = run(second)
+    for a, b in zip(cached, fresh, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(cached[0], run(first)[0])
+
+
+def test_a_plan_holding_a_computed_tensor_is_never_reused():
+    from ops.launch import Plan, PlanTemplate
+    x = torch.ones(4)
+    out = torch.empty(4)
+    scalar_dummy, derived = torch.zeros(1), x * 2
+    assert PlanTemplate(Plan((1,), None, (x, out, scalar_dummy), (out,)), (x,)).usable
+    template = PlanTemplate(Plan((1,), None, (x, out, derived), (out,)), (x,))
+    assert not template.usable
+    bound = PlanTemplate(Plan((1,), None, (x, out, 3), (out,)), (x,)).bind((torch.zeros(4),))
+    assert bound.args[0].sum() == 0 and bound.args[1] is bound.outputs[0] and bound.args[2] == 3
+
+
+# Any size -----------------------------------------------------------------------------------------
+# headdim and dstate that are not powers of two (or are below 16) are computed in tiles padded to
+# the next power of two (at least 16): zero-padded loads, dropped stores.
+
+ODD_SIZES = [(1, 1), (8, 24), (48, 40), (96, 16), (12, 130), (256, 16)]
+
+
+@pytest.mark.parametrize("headdim, dstate", ODD_SIZES, ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_any_headdim_and_dstate(headdim, dstate, dtype):
+    kw = make_problem(batch=1, seqlen=70, nheads=4, headdim=headdim, ngroups=2, dstate=dstate,
+                      D="2d", dtype=dtype, seed=2, seq_boundaries=[33])
+    out, final = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS, return_final_states=True,
+                                           backend="interpret")
+    ref, ref_final = ssd_sequential(**f64(kw), **OPTIONS, return_final_states=True)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]     # as tests/test_api.py
+    assert rel_err(out, ref) < tol and rel_err(final, ref_final) < tol
+
+
+@pytest.mark.parametrize("name", ["fwd_pass_state", "compute_out"])
+def test_every_config_at_an_odd_size_computes_the_default(name):
+    """Every config of the search space at headdim 48, dstate 40 (padded to 64 and 64) gives the
+    default config's result on the interpreter (float32: 1e-5, summation order only)."""
+    from ops import chunk_cumsum, compute_out, fwd_pass_state
+    from ops.forward import KERNELS
+    kw = make_problem(batch=1, seqlen=100, nheads=4, headdim=48, ngroups=2, dstate=40, D="2d",
+                      dtype=torch.float32, seed=4, seq_boundaries=[40])
+    dt, dA = chunk_cumsum.chunk_cumsum(kw["dt"], kw["A"], 32, dt_bias=kw["dt_bias"], **OPTIONS)
+    entry, _ = fwd_pass_state.fwd_pass_state(kw["x"], kw["B"], dt, dA, kw["initial_states"],
+                                             kw["seq_idx"])
+    if name == "fwd_pass_state":
+        run = lambda cfg: fwd_pass_state.fwd_pass_state(
+            kw["x"], kw["B"], dt, dA, kw["initial_states"], kw["seq_idx"], poison=True, config=cfg)
+    else:
+        run = lambda cfg: (compute_out.compute_out(kw["x"], kw["B"], kw["C"], dt, dA, entry,
+                                                   D=kw["D"], z=kw["z"], seq_idx=kw["seq_idx"],
+                                                   poison=True, config=cfg),)
+    space = KERNELS[name].search_space(batch=1, seqlen=100, nheads=4, headdim=48, ngroups=2,
+                                       dstate=40, chunk_size=32, dtype=torch.float32,
+                                       states_dtype=torch.float32)
+    default = run(None)
+    assert len(space) > 5
+    for cfg in space:
+        for got, want in zip(run(cfg), default, strict=True):
+            assert rel_err(got, want) < 1e-5, cfg
+
+
+@pytest.mark.parametrize("name", ["chunk_cumsum", "fwd_pass_state", "compute_out"])
+@pytest.mark.parametrize("headdim, dstate", [(48, 40), (8, 24)], ids=lambda v: str(v))
+def test_odd_sizes_compile_for_hopper(name, headdim, dstate):
+    from ops.tools.aot import compile_cubin
+    from ops.tools.plans import meta_plan
+    plan = meta_plan(name, batch=1, seqlen=4096, nheads=8, headdim=headdim, ngroups=1,
+                     dstate=dstate, chunk_size=256)
+    assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("headdim, dstate", ODD_SIZES, ids=lambda v: str(v))
+def test_any_headdim_and_dstate_on_gpu(headdim, dstate):
+    kw = {k: v.cuda() for k, v in make_problem(batch=1, seqlen=300, nheads=4, headdim=headdim,
+                                                ngroups=2, dstate=dstate, D="2d",
+                                                dtype=torch.bfloat16, seed=2,
+                                                seq_boundaries=[130]).items()}
+    with torch.no_grad():
+        out, final = mamba_chunk_scan_combined(**kw, chunk_size=64, **OPTIONS,
+                                               return_final_states=True, backend="cutile")
+    ref, ref_final = ssd_sequential(**f64({k: v.cpu() for k, v in kw.items()}), **OPTIONS,
+                                    return_final_states=True)
+    assert rel_err(out.cpu(), ref) < 1e-2 and rel_err(final.cpu(), ref_final) < 1e-2

@@ -1,5 +1,5 @@
 """What the core kernels leave out, refused with a clear error before anything launches."""
-from ..checks import check_chunk_size, check_sizes
+from ..checks import check_chunk_size, check_tile_sizes
 
 
 def check_whole_chunks(seqlen, chunk_size):
@@ -16,4 +16,4 @@ def check_one_group(x, B):
     if B.shape[2] != 1:
         raise ValueError(f"the core kernels take one group (B.shape[2] == 1), got {B.shape[2]}; "
                          f"ops.fwd_pass_state and ops.compute_out take any")
-    check_sizes(x.shape[3], B.shape[3])
+    check_tile_sizes(x.shape[3], B.shape[3])

@@ -9,7 +9,6 @@ Each reports the wall time of its first call (synchronised) and of a second call
 process; the configs come from the default path (cache, committed table, defaults: no search).
 """
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -58,10 +57,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = [r for s in (args.shape or ["batch=8,seqlen=2048,nheads=80"]) for r in run(s)]
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        from tests.benchmark.report import write_csv
+        write_csv(args.out, rows)
 
 
 if __name__ == "__main__":

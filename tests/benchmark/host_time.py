@@ -48,6 +48,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="batch=1,seqlen=1024,nheads=24")
     parser.add_argument("--out")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where an eager call's host time goes (cProfile)")
     args = parser.parse_args(argv)
     shape = parse_shape(args.shape, DEFAULTS)
     kw = make_inputs(shape, torch.bfloat16, "D")
@@ -73,6 +75,16 @@ def main(argv=None):
         rows["kernel_forward alone"] = per_call(lambda: kernel_forward(
             kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], q, D=kw["D"], dt_bias=kw["dt_bias"],
             dt_softplus=True))
+        if args.profile:
+            import cProfile
+            import pstats
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(500):
+                call()
+            profile.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     for name, seconds in rows.items():
         print(f"{name:40s} {seconds * 1e3:8.4f} ms")
     print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")

@@ -34,6 +34,14 @@ def load(source):
         return [_typed(r) for r in csv.DictReader(f)]
 
 
+def write_csv(path, rows):
+    """Write ``rows`` (dicts with the same keys) as a CSV file with a header."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def _typed(raw):
     row = {}
     for key, value in raw.items():
