@@ -9,7 +9,7 @@ so it never runs unasked. By default a kernel on a GPU takes, in this order:
   1. the winner of an earlier search at this shape, from the cache file;
   2. the committed table (``tuned_configs.json``, searched on an NVIDIA H200 at the benchmark's
      grid and at model shapes): the entry for this shape, else the nearest tuned shape of the
-     same GPU, head and state sizes, chunk and dtype (by the amount of work), if its config is
+     same GPU, chunk, dtype and head and state tiles (by the amount of work), if its config is
      valid here;
   3. the kernel's default config.
 

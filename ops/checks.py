@@ -41,9 +41,10 @@ def tile_size(n):
 
 def check_sizes(headdim, dstate):
     """Any headdim in [1, 256] and dstate in [1, 512]: the kernels pad them to ``tile_size``."""
-    for name, value, top in (("headdim", headdim, MAX_HEADDIM), ("dstate", dstate, MAX_DSTATE)):
+    for name, value, top, where in (("headdim", headdim, MAX_HEADDIM, "x.shape[3]"),
+                                    ("dstate", dstate, MAX_DSTATE, "B.shape[3]")):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
-            raise ValueError(f"{name} must be an integer in [1, {top}], got {value}")
+            raise ValueError(f"{name} ({where}) must be an integer in [1, {top}], got {value}")
 
 
 def check_tile_sizes(headdim, dstate):

@@ -48,7 +48,7 @@ def _config(name, configs, shape, features, run):
     Called on every forward, so the answer is memoised per exact shape (on the tuner object
     off the CPU, so a new tuner starts afresh): building the search space and the tuner's key
     costs 0.03-0.4 ms of Python per kernel, together more than a whole forward pass at 1K tokens."""
-    if name in configs:
+    if configs.get(name) is not None:
         return configs[name]
     from .autotune import mode, tuner
     how = mode() if shape["on_gpu"] else "off"     # the interpreter is not timed: defaults only
@@ -127,7 +127,7 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     ``states_dtype``: the dtype of the stored entry states (default x's dtype).
 
     ``configs``: ``{"chunk_cumsum": {...}, "fwd_pass_state": {...}, "compute_out": {...}}``,
-    any of them optional. A kernel without a config runs its default on the CPU interpreter,
+    any of them optional (or None). A kernel without a config runs its default on the CPU interpreter,
     and on a GPU the tuned config for the shape (``ops/autotune.py``: a cached search's, else the
     committed table's; ``MAMBA2_CUTILE_AUTOTUNE=1`` searches, ``=0`` runs the defaults)."""
     check_sizes(headdim=x.shape[3], dstate=B.shape[3])   # before anything runs

@@ -11,7 +11,8 @@ The layer of a Mamba-2 block, as the Mamba-2 paper describes it:
   2. x, B and C pass through a causal depthwise convolution (kernel ``d_conv``) and SiLU;
   3. the SSD scan: y = SSM(x, dt, A, B, C) + D * x, with dt + dt_bias through softplus and
      A = -exp(A_log) per head;
-  4. a gated RMS norm, rmsnorm(y * silu(z)) * weight, and the output projection.
+  4. a gated RMS norm, rmsnorm(y * silu(z)) * weight over each group's channels, and the
+     output projection.
 
 Only the scan runs in cuTile; the rest is PyTorch. The convolution does not reset between
 sequences packed in one row, so the mixer takes whole rows (no ``seq_idx``). Parameters are
@@ -28,16 +29,18 @@ from .ssd_combined import mamba_chunk_scan_combined
 
 
 class GatedRMSNorm(nn.Module):
-    """rmsnorm(y * silu(z)) * weight, over the last dimension, computed in float32."""
+    """rmsnorm(y * silu(z)) * weight, computed in float32, normalised over each group of
+    ``width // groups`` channels (Mamba-2 normalises each group of heads apart)."""
 
-    def __init__(self, width, eps=1e-5, **factory):
+    def __init__(self, width, groups=1, eps=1e-5, **factory):
         super().__init__()
-        self.eps = eps
+        self.groups, self.eps = groups, eps
         self.weight = nn.Parameter(torch.ones(width, **factory))
 
     def forward(self, y, z):
         v = y.float() * F.silu(z.float())
-        v = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)
+        v = v.unflatten(-1, (self.groups, -1))
+        v = (v * torch.rsqrt(v.square().mean(-1, keepdim=True) + self.eps)).flatten(-2)
         return (v * self.weight.float()).to(y.dtype)
 
 
@@ -66,7 +69,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter((dt + torch.log(-torch.expm1(-dt))).to(device))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.nheads).uniform_(1, 16, generator=g)).to(device))
         self.D = nn.Parameter(torch.ones(self.nheads, device=device))
-        self.norm = GatedRMSNorm(self.d_inner, **factory)
+        self.norm = GatedRMSNorm(self.d_inner, groups=ngroups, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False, **factory)
         if generator is not None:            # the linear and conv weights from the same generator
             for w in (self.in_proj.weight, self.conv1d.weight, self.out_proj.weight):

@@ -1,8 +1,8 @@
 """The public forward pass: a drop-in for mamba_ssm's ``mamba_chunk_scan_combined`` (forward only).
 
 It checks its inputs (a bad shape or dtype raises at once, naming the argument) and runs one of
-the backends, through a PyTorch custom operator (``ops.torch_op``), so that ``torch.compile``
-traces a model calling it without a graph break:
+the backends; traced, through a PyTorch custom operator (``ops.torch_op``), so that
+``torch.compile`` traces a model calling it without a graph break:
 
     "reference"  the chunked PyTorch reference (reference/chunked.py), any device; the one
                  backend that is differentiable (it is called directly when a gradient is needed)
@@ -15,7 +15,6 @@ The kernels have no backward yet: asked for a gradient (grad mode on and an inpu
 one), a kernel backend raises instead of returning a tensor that would silently stop it.
 """
 import functools
-import math
 
 import torch
 
@@ -251,7 +250,7 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
         raise TypeError(f"dt_limit must be a pair of numbers (min, max); got {dt_limit!r}") from None
-    if math.isnan(lo) or math.isnan(hi) or lo > hi:
+    if not lo <= hi:                    # false for NaN too (and traceable as a symbolic float)
         raise ValueError(f"dt_limit must satisfy min <= max with no NaN; got {dt_limit!r}")
 
     tensors = {"dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
@@ -261,16 +260,16 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
             raise ValueError(f"all tensors must be on one device: x is on {x.device}, {name} on {t.device}")
 
 
-def check_values(x, seq_idx, cu_seqlens):
+def check_values(x, seq_idx, cu_seqlens, check=True):
     """The checks that read values: seq_idx non-negative and non-decreasing; cu_seqlens from 0
     to L, increasing, and where seq_idx is given its ids changing exactly at those bounds.
     Returns seq_idx (derived from cu_seqlens when only that is given).
 
     While a CUDA graph is being captured the checks are skipped: reading a value would
     synchronise with the GPU, which a capture forbids (the eager warm-up call before a capture
-    has checked the same tensors)."""
+    has checked the same tensors). ``check=False`` skips them too."""
     L = x.shape[1]
-    if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if check and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
         if seq_idx is not None:
             _check_seq_idx(seq_idx)
         if cu_seqlens is not None:

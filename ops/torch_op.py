@@ -4,9 +4,9 @@
 stream objects, the interpreter is Python over tiles): to the compiler, the operator is one
 opaque call whose outputs' shapes and dtypes its fake implementation gives. Everything that reads
 a tensor's values (the seq_idx and cu_seqlens checks) runs inside it, so a compiled model has no
-graph break there. The operator has no autograd formula yet: ``ops.ssd_combined`` calls it only
-when no gradient is needed, and calls ``forward`` (plain PyTorch for the reference backend)
-otherwise.
+graph break there. ``ops.ssd_combined`` uses the operator when it is traced; eager calls run its
+work, ``forward``, directly (the dispatch costs tens of microseconds), and so do calls that need
+a gradient (the operator has no autograd formula yet; the reference backend is plain PyTorch).
 
 Outputs: ``out`` (b, L, h, p) in x's dtype, ``final_states`` (b, h, p, n) float32 (float64 for
 float64 inputs), ``varlen_states`` (nseq, h, p, n) in the same dtype, or (0, h, p, n) when not
@@ -38,8 +38,10 @@ def as_kernel_input(t):
 
 def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chunk_size,
             dt_softplus, dt_min, dt_max, with_varlen, state_dtype, backend):
-    """The operator's work, callable directly: -> (out, final_states, varlen_states)."""
-    seq_idx = check_values(x, seq_idx, cu_seqlens)
+    """The operator's work, callable directly: -> (out, final_states, varlen_states). Traced
+    directly (a differentiable call under torch.compile), it skips the value checks, which
+    would need the values at tracing."""
+    seq_idx = check_values(x, seq_idx, cu_seqlens, check=not torch.compiler.is_compiling())
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
     dt_limit = (dt_min, dt_max)
@@ -61,7 +63,7 @@ def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, 
         exp = torch.exp2                     # the kernels' cumsum is in log2 units
     if with_varlen:
         from .varlen_states import varlen_states
-        varlen = varlen_states(x, B, dt_out, dA_cumsum, entry, cu_seqlens, exp=exp)
+        varlen = varlen_states(x, B, dt_out, dA_cumsum, entry, cu_seqlens, seq_idx, exp=exp)
     else:
         varlen = final_states.new_empty((0,) + tuple(final_states.shape[1:]))
     sdt = states_result_dtype(x)

@@ -455,3 +455,54 @@ def test_any_headdim_and_dstate_on_gpu(headdim, dstate):
     ref, ref_final = ssd_sequential(**f64({k: v.cpu() for k, v in kw.items()}), **OPTIONS,
                                     return_final_states=True)
     assert rel_err(out.cpu(), ref) < 1e-2 and rel_err(final.cpu(), ref_final) < 1e-2
+
+
+# Found in review ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend, dtype", CPU_BACKENDS)
+def test_the_first_sequence_owns_the_initial_state_only_as_id_zero(backend, dtype):
+    """Ids that start at 5: the initial state belongs to no sequence (id 0 does not occur), in
+    the outputs and the varlen states alike, wherever the first sequence ends."""
+    for bounds in ([0, 23, 64, 100], [0, 40, 64, 100]):
+        kw = problem(dtype)
+        kw["seq_idx"] = torch.repeat_interleave(torch.arange(3), torch.tensor(bounds).diff())[None] + 5
+        out, varlen = mamba_chunk_scan_combined(**kw, chunk_size=32, cu_seqlens=torch.tensor(bounds),
+                                                **OPTIONS, return_varlen_states=True, backend=backend)
+        alone = {k: v for k, v in kw.items() if k != "initial_states"}
+        ref_out, ref_varlen = per_sequence_reference(alone, bounds)
+        assert rel_err(out, ref_out) < TOL[dtype] and rel_err(varlen, ref_varlen) < TOL[dtype], bounds
+
+
+def test_compiles_with_dynamic_shapes_and_the_default_dt_limit():
+    torch._dynamo.reset()
+    kw = problem(torch.float32)
+    fn = lambda x, dt, A, B, C: mamba_chunk_scan_combined(x, dt, A, B, C, 32, backend="interpret")
+    args = [kw[k] for k in ARGS]
+    with torch.no_grad():
+        assert torch.equal(torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)(*args),
+                           fn(*args))
+
+
+def test_a_differentiable_call_with_seq_idx_compiles():
+    torch._dynamo.reset()
+    kw = problem(torch.float64, seq_boundaries=[40])
+    kw["x"] = kw["x"].clone().requires_grad_(True)
+    fn = lambda kw: mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS, backend="reference")
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)(kw)
+    assert rel_err(compiled, fn(kw)) < 1e-12
+    compiled.sum().backward()
+    assert kw["x"].grad is not None and torch.isfinite(kw["x"].grad).all()
+
+
+def test_the_parallel_compile_worker_runs_a_candidate():
+    """``python -m ops.autotune search``'s worker: one candidate config of one kernel, the others
+    at their defaults (on the CPU, through the interpreter)."""
+    from ops.forward import KERNELS
+    from ops.tools.tune import _launch_one
+    shape = dict(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, chunk_size=32)
+    space = KERNELS["compute_out"].search_space(**shape, dtype=torch.float32,
+                                                 states_dtype=torch.float32)
+    assert _launch_one("compute_out", shape, "float32", "D", space[-1], device="cpu") == (True, "")
+    ok, message = _launch_one("compute_out", shape, "float32", "D", {"HEADS_PER_BLOCK": 3},
+                              device="cpu")
+    assert not ok and message.startswith("ValueError: HEADS_PER_BLOCK (3) must be 1, 2 or 4")

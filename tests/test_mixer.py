@@ -82,3 +82,12 @@ def test_equals_the_same_layer_on_mamba_ssms_scan():
     # projections around them are the same; 1e-2 as the forward's bf16 tolerance.
     for name, out in (("eager", eager), ("compiled", compiled), ("graph", captured)):
         assert rel_err(out, ref) < 1e-2, name
+
+
+def test_the_norm_is_per_group():
+    from ops.mixer import GatedRMSNorm
+    y, z = torch.randn(3, 8), torch.randn(3, 8)
+    norm = GatedRMSNorm(8, groups=2)
+    v = (y * torch.nn.functional.silu(z)).reshape(3, 2, 4)
+    expected = (v / v.square().mean(-1, keepdim=True).add(1e-5).sqrt()).reshape(3, 8)
+    assert torch.allclose(norm(y, z), expected, atol=1e-6)

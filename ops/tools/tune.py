@@ -58,17 +58,16 @@ def make_inputs(shape, dtype, features, device="cuda", seed=0):
     return kw
 
 
-def _launch_one(name, shape, dtype_name, features, config):
-    """Worker: launch kernel ``name`` once with ``config`` (which compiles it into cuTile's disk
-    cache). Returns (ok, message)."""
+def _launch_one(name, shape, dtype_name, features, config, device="cuda"):
+    """Worker: run the forward pass once with ``config`` for kernel ``name`` (the others at their
+    defaults), which compiles it into cuTile's disk cache. Returns (ok, message)."""
     from ops import forward
     dtype = getattr(torch, dtype_name)
-    kw = make_inputs(shape, dtype, features)
-    configs = {k: None for k in forward.KERNELS}
-    configs[name] = config
+    kw = make_inputs(shape, dtype, features, device=device)
     try:
-        forward.kernel_forward(**_forward_args(kw, shape), configs=configs)
-        torch.cuda.synchronize()
+        forward.kernel_forward(**_forward_args(kw, shape), configs={name: config})
+        if device == "cuda":
+            torch.cuda.synchronize()
     except Exception as e:              # reported, and skipped by the search later too
         return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return True, ""
