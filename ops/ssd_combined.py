@@ -11,8 +11,9 @@ the backends; traced, through a PyTorch custom operator (``ops.torch_op``), so t
     "auto"       "cutile" for CUDA tensors on a GPU cuTile supports (and sizes the kernels take:
                  headdim in [1, 256], dstate in [1, 512]), else "reference"
 
-The kernels have no backward yet: asked for a gradient (grad mode on and an input that requires
-one), a kernel backend raises instead of returning a tensor that would silently stop it.
+Gradients: the kernel backends' forward is differentiable through the custom operator, whose
+backward runs the chunked algorithm's backward in PyTorch (reference/backward.py) until it runs
+as cuTile kernels; the reference backend is differentiated by autograd itself.
 """
 import functools
 
@@ -72,17 +73,14 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     options = dict(chunk_size=chunk_size, dt_softplus=bool(dt_softplus),
                    dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]),
                    with_varlen=bool(return_varlen_states), state_dtype=state_dtype)
-    if wants_grad:
-        if resolved != "reference":
-            raise NotImplementedError(
-                f"backend={resolved!r} has no backward pass yet, and an input requires a gradient "
-                f"(grad mode is on): use backend='reference' (differentiable), or call under "
-                f"torch.no_grad() / torch.inference_mode() for inference")
+    if wants_grad and resolved == "reference":
+        # Plain PyTorch, differentiated by autograd itself.
         from .torch_op import forward
         out, final_states, varlen_states = forward(
             *tensors, seq_idx, cu_seqlens, backend="reference", **options)
-    elif torch.compiler.is_compiling() or type(x) is not torch.Tensor:
-        # Traced (torch.compile, export, fake tensors): the custom operator, opaque to the tracer.
+    elif wants_grad or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
+        # Traced (torch.compile, export, fake tensors), or a gradient is needed: the custom
+        # operator, opaque to the tracer, with its backward registered (ops.torch_op).
         from .torch_op import ssd_forward
         out, final_states, varlen_states = ssd_forward(
             *tensors, seq_idx, cu_seqlens, backend=resolved, **options)

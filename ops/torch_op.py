@@ -95,3 +95,35 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chu
     nseq = cu_seqlens.shape[0] - 1 if with_varlen else 0
     return (x.new_empty(x.shape), x.new_empty((b, h, p, n), dtype=sdt),
             x.new_empty((nseq, h, p, n), dtype=sdt))
+
+
+# Autograd: the backward pass in PyTorch -------------------------------------------------------
+#
+# Until the backward runs as cuTile kernels, the operator's gradients come from the chunked
+# algorithm's backward in plain PyTorch (reference/backward.py: recomputes the forward's
+# intermediates in float32, or float64 for float64 inputs). The forward stays the kernels'.
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs)
+    ctx.options = keyword_only_inputs
+
+
+def _backward(ctx, dout, dfinal, dvarlen):
+    from reference.backward import ssd_chunked_backward
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    o = ctx.options
+    if (dvarlen is not None and dvarlen.numel() and not torch.compiler.is_compiling()
+            and bool(dvarlen.any())):
+        raise NotImplementedError("gradients through return_varlen_states are not implemented: "
+                                  "use the outputs and the final states in the loss")
+    seq_idx = check_values(x, seq_idx, cu_seqlens, check=False)
+    g = ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, o["chunk_size"], D=D, z=z,
+                             dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
+                             dt_softplus=o["dt_softplus"], dt_limit=(o["dt_min"], o["dt_max"]))
+    cast = lambda name, t: None if t is None else g["d" + name].to(t.dtype)
+    return (cast("x", x), cast("dt", dt), cast("A", A), cast("B", B), cast("C", C), cast("D", D),
+            cast("z", z), cast("dt_bias", dt_bias), cast("initial_states", initial_states),
+            None, None)
+
+
+ssd_forward.register_autograd(_backward, setup_context=_setup_context)

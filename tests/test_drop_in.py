@@ -80,16 +80,63 @@ def test_the_operator_has_a_fake_for_tracing():
 
 # Autograd ----------------------------------------------------------------------------------------
 
-def test_kernel_backends_refuse_to_drop_a_gradient():
-    kw = problem(torch.float32)
-    kw["x"].requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backend='interpret' has no backward.*backend='reference'"):
-        mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
-    with torch.no_grad():                              # inference: no gradient asked for
+LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+def _grads(fn, kw, dtype):
+    """Gradients of a fixed random weighting of (out, final_states) for every float input."""
+    weights = torch.randn(kw["x"].shape, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(3))
+    inputs = {k: (v.detach().to(dtype).clone().requires_grad_(k in LEAVES)
+                  if v.is_floating_point() else v) for k, v in kw.items()}
+    out, final = fn(inputs)
+    ((out * weights.to(out.dtype)).sum() + final.square().sum()).backward()
+    return {k: inputs[k].grad for k in LEAVES}
+
+
+def test_kernel_backends_give_the_recurrences_gradients():
+    """The kernels' forward, differentiated through the custom operator's registered backward
+    (reference/backward.py in float32): every input's gradient against autograd through the
+    float64 recurrence (2e-5, float32's tolerance of the forward)."""
+    kw = problem(torch.float32, seq_boundaries=[40])
+    ours = _grads(lambda i: mamba_chunk_scan_combined(**i, chunk_size=32, **OPTIONS,
+                                                      return_final_states=True,
+                                                      backend="interpret"), kw, torch.float32)
+    expected = _grads(lambda i: ssd_sequential(**i, **OPTIONS, return_final_states=True), kw,
+                      torch.float64)
+    for name in LEAVES:
+        assert ours[name].dtype == torch.float32 and rel_err(ours[name], expected[name]) < 2e-5, name
+    with torch.no_grad():                              # inference: no graph kept
         out = mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
-    assert out.grad_fn is None and torch.isfinite(out).all()
-    with torch.inference_mode():
-        mamba_chunk_scan_combined(**kw, chunk_size=32, backend="interpret")
+    assert out.grad_fn is None
+
+
+def test_a_compiled_training_step_equals_eager():
+    torch._dynamo.reset()
+    kw = problem(torch.float32, seq_boundaries=[40])
+
+    def step(inputs):
+        out = mamba_chunk_scan_combined(**inputs, chunk_size=32, **OPTIONS, backend="interpret")
+        return out.square().sum()
+
+    def grads(fn):
+        inputs = {k: (v.detach().clone().requires_grad_(k in ("x", "dt", "B", "C"))
+                      if v.is_floating_point() else v) for k, v in kw.items()}
+        fn(inputs).backward()
+        return [inputs[k].grad for k in ("x", "dt", "B", "C")]
+
+    for e, c in zip(grads(step), grads(torch.compile(step, backend="aot_eager", fullgraph=True)),
+                    strict=True):
+        assert torch.equal(e, c)
+
+
+def test_no_gradient_through_varlen_states():
+    kw = problem(torch.float32)
+    kw["x"] = kw["x"].clone().requires_grad_(True)
+    out, varlen = mamba_chunk_scan_combined(**kw, chunk_size=32, cu_seqlens=torch.tensor(BOUNDS),
+                                            return_varlen_states=True, backend="interpret")
+    with pytest.raises(NotImplementedError, match="return_varlen_states"):
+        (out.sum() + varlen.sum()).backward()
 
 
 def test_reference_backend_gives_the_recurrences_gradients():
