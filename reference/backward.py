@@ -17,13 +17,18 @@ from the final state back to the initial one), then each chunk's own state, the 
 reverse cumsum) and the dt processing. Every product is one einsum, as every forward one is.
 The masks (causality, packed sequences) are the forward's: a masked pair has no gradient.
 Intermediates are recomputed here from the inputs, as a backward kernel may do instead of
-storing them.
+storing them. One function per step, each checked against autograd through its forward step
+(tests/test_reference_backward.py), in the layouts of reference/chunked.py:
+
+    gate_and_skip_backward   compute_out_backward   state_passing_backward
+    chunk_states_backward    chunk_cumsum_backward  ->  ssd_chunked_backward chains them
 """
 import math
 
 import torch
 import torch.nn.functional as F
 
+from . import chunked
 from .chunked import _chunk, _pad_to_chunks, seq_idx_at_chunk_ends, seq_idx_before_chunks
 from .common import compute_dtype, expand_groups
 from .quadratic import decay_mask
@@ -40,6 +45,154 @@ def _sum_groups(t, ngroups):
     return t.reshape(b, L, ngroups, h // ngroups, n).sum(3)
 
 
+# Gate and skip ---------------------------------------------------------------------------------
+
+def gate_and_skip_backward(dout, y, x, D=None, z=None):
+    """out = (y + D x) * silu(z) -> (dy, dx from the skip (or None), dD, dz)."""
+    skip = y if D is None else y + x * (D[:, None] if D.dim() == 1 else D)
+    dy, dz, dx, dD = dout, None, None, None
+    if z is not None:
+        sig = torch.sigmoid(z)
+        dz = dout * skip * sig * (1 + z * (1 - sig))                       # d silu(z) / dz
+        dy = dout * z * sig
+    if D is not None:
+        dD = (dy * x).sum((0, 1, 3)) if D.dim() == 1 else (dy * x).sum((0, 1))
+        dx = dy * (D[:, None] if D.dim() == 1 else D)
+    return dy, dx, dD, dz
+
+
+# (c) compute_out -------------------------------------------------------------------------------
+
+def _inside_chunk(C, B, dt_out, dA_cumsum, seq_idx, nheads):
+    """The chunked C, B (b, c, l, h, n), C B^T and the masked decay M (b, h, c, l, s), and the
+    carried-in weight w = exp(dA[l]) (b, c, l, h), masked to the sequence running at the start."""
+    batch, _, nchunks, chunk_size = dt_out.shape
+    Bc = _chunk(expand_groups(B, nheads), chunk_size)
+    Cc = _chunk(expand_groups(C, nheads), chunk_size)
+    w = torch.exp(dA_cumsum).permute(0, 2, 3, 1)
+    if seq_idx is None:
+        M = decay_mask(dA_cumsum)
+    else:
+        seq_c = _pad_to_chunks(seq_idx, chunk_size, value=-1).reshape(batch, nchunks, chunk_size)
+        h = dA_cumsum.shape[1]
+        M = decay_mask(dA_cumsum.permute(0, 2, 1, 3).reshape(batch * nchunks, h, chunk_size),
+                       seq_c.reshape(batch * nchunks, chunk_size))
+        M = M.reshape(batch, nchunks, h, chunk_size, chunk_size).permute(0, 2, 1, 3, 4)
+        running = seq_idx_before_chunks(seq_idx, chunk_size)
+        w = w * (seq_c == running[..., None])[..., None].to(w.dtype)
+    return Cc, Bc, torch.einsum("bclhn,bcshn->bhcls", Cc, Bc), M, w
+
+
+def chunk_outputs(x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None):
+    """y before the skip and gate, (b, L, h, p): what ``compute_out_backward`` differentiates
+    (``reference.chunked.compute_out`` computes the same, with D and z)."""
+    Cc, Bc, CB, M, w = _inside_chunk(C, B, dt_out, dA_cumsum, seq_idx, x.shape[2])
+    xc = _chunk(x, dt_out.shape[3])
+    G = CB * M * dt_out[..., None, :]
+    y = torch.einsum("bhcls,bcshp->bclhp", G, xc)
+    y = y + torch.einsum("bclhn,bchpn->bclhp", Cc, entry_states) * w[..., None]
+    return _unchunk(y, x.shape[1])
+
+
+def compute_out_backward(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None):
+    """Gradients of ``chunk_outputs`` for dy (b, L, h, p): dx (b, L, h, p), dB and dC as each
+    head read them (b, L, h, n), ddt_out and ddA_cumsum (b, h, c, l), dentry (b, c, h, p, n)."""
+    seqlen, nheads = x.shape[1], x.shape[2]
+    chunk_size = dt_out.shape[3]
+    Cc, Bc, CB, M, w = _inside_chunk(C, B, dt_out, dA_cumsum, seq_idx, nheads)
+    xc, dyc = _chunk(x, chunk_size), _chunk(dy, chunk_size)
+    # carried in: y += w[l] (C_l . entry), w = exp(dA[l])
+    carried = torch.einsum("bclhn,bchpn->bclhp", Cc, entry_states)
+    dcarried = dyc * w[..., None]
+    ddA = ((dyc * carried).sum(-1) * w).permute(0, 3, 1, 2)
+    dCc = torch.einsum("bclhp,bchpn->bclhn", dcarried, entry_states)
+    dentry = torch.einsum("bclhp,bclhn->bchpn", dcarried, Cc)
+    # inside the chunk: y += G x, G = (C B^T) M dt_s, M = exp(dA[l] - dA[s])
+    G = CB * M * dt_out[..., None, :]
+    dG = torch.einsum("bclhp,bcshp->bhcls", dyc, xc)
+    dxc = torch.einsum("bhcls,bclhp->bcshp", G, dyc)
+    dCB = dG * M * dt_out[..., None, :]
+    dCc = dCc + torch.einsum("bhcls,bcshn->bclhn", dCB, Bc)
+    dBc = torch.einsum("bhcls,bclhn->bcshn", dCB, Cc)
+    ddt_out = (dG * CB * M).sum(-2)
+    dexp = dG * G
+    ddA = ddA + dexp.sum(-1) - dexp.sum(-2)
+    return (_unchunk(dxc, seqlen), _unchunk(dBc, seqlen), _unchunk(dCc, seqlen), ddt_out, ddA,
+            dentry)
+
+
+# (b) the pass over chunks, and each chunk's state ----------------------------------------------
+
+def _chunk_decay(dA_cumsum, seq_idx):
+    """a[c] = exp(dA[c, last]) (b, h, c), 0 where a new sequence starts inside chunk c."""
+    a = torch.exp(dA_cumsum[..., -1])
+    if seq_idx is not None:
+        chunk_size = dA_cumsum.shape[3]
+        keep = seq_idx_at_chunk_ends(seq_idx, chunk_size) == seq_idx_before_chunks(seq_idx, chunk_size)
+        a = a * keep[:, None].to(a.dtype)
+    return a
+
+
+def state_passing_backward(dentry, dfinal, entry_states, final_states, dA_cumsum, seq_idx=None):
+    """The pass in REVERSE: from entry[c + 1] = a[c] entry[c] + S[c] (entry[nchunks] the final
+    state) and the gradients of every entry state (b, c, h, p, n) and of the final state ->
+    (dS (b, c, h, p, n), ddA_cumsum (b, h, c, l) at each chunk's last token, dinitial)."""
+    a = _chunk_decay(dA_cumsum, seq_idx)
+    nchunks = a.shape[2]
+    g = torch.zeros_like(final_states) if dfinal is None else dfinal      # d entry[nchunks]
+    dS = torch.empty_like(entry_states)
+    ddA = torch.zeros_like(dA_cumsum)
+    for c in reversed(range(nchunks)):
+        dS[:, c] = g
+        ddA[..., c, -1] = (g * entry_states[:, c]).sum((-2, -1)) * a[:, :, c]
+        g = a[:, :, c, None, None] * g + dentry[:, c]
+    return dS, ddA, g
+
+
+def chunk_states_backward(dS, x, B, dt_out, dA_cumsum, seq_idx=None):
+    """Gradients of S[c] = sum_t v[t] outer(x[t], B[t]), v = exp(dA[last] - dA[t]) dt_t (tokens
+    of the chunk's last sequence): dx (b, L, h, p), dB per head (b, L, h, n), ddt_out and
+    ddA_cumsum (b, h, c, l)."""
+    seqlen, nheads = x.shape[1], x.shape[2]
+    chunk_size = dt_out.shape[3]
+    xc = _chunk(x, chunk_size)
+    Bc = _chunk(expand_groups(B, nheads), chunk_size)
+    decay = torch.exp(dA_cumsum[..., -1:] - dA_cumsum)
+    if seq_idx is not None:
+        ends = seq_idx_at_chunk_ends(seq_idx, chunk_size)
+        decay = decay * (_chunk(seq_idx, chunk_size) == ends[..., None])[:, None].to(decay.dtype)
+    v = decay * dt_out
+    dxc = torch.einsum("bchpn,bhcl,bclhn->bclhp", dS, v, Bc)
+    dBc = torch.einsum("bchpn,bhcl,bclhp->bclhn", dS, v, xc)
+    dv = torch.einsum("bchpn,bclhp,bclhn->bhcl", dS, xc, Bc)
+    dexp = dv * v                                   # v ~ exp(dA[last] - dA[t])
+    ddA = -dexp
+    ddA[..., -1] += dexp.sum(-1)
+    return _unchunk(dxc, seqlen), _unchunk(dBc, seqlen), dv * decay, ddA
+
+
+# (a) chunk_cumsum and dt processing --------------------------------------------------------------
+
+def chunk_cumsum_backward(ddt_out, ddA_cumsum, dt, A, chunk_size, dt_bias=None,
+                          dt_softplus=False, dt_limit=(0.0, math.inf)):
+    """dA_cumsum = cumsum(dt_out * A) inside each chunk, dt_out = clamp(softplus(dt + dt_bias)):
+    -> (ddt (b, L, h), dA (h,), ddt_bias (h,) or None)."""
+    raw = dt + dt_bias if dt_bias is not None else dt
+    soft = torch.where(raw <= 20.0, F.softplus(raw), raw) if dt_softplus else raw
+    dt_out = _chunk(soft.clamp(min=dt_limit[0], max=dt_limit[1]), chunk_size).permute(0, 3, 1, 2)
+    dprod = ddA_cumsum.flip(-1).cumsum(-1).flip(-1)                          # a reverse cumsum
+    dA = (dprod * dt_out).sum((0, 2, 3))
+    ddt_out = ddt_out + dprod * A[:, None, None]
+    ddt = _unchunk(ddt_out.permute(0, 2, 3, 1), dt.shape[1])
+    # the clamp passes the gradient inside [min, max]; softplus' derivative is the sigmoid
+    ddt = ddt * ((soft >= dt_limit[0]) & (soft <= dt_limit[1])).to(ddt.dtype)
+    if dt_softplus:
+        ddt = ddt * torch.where(raw <= 20.0, torch.sigmoid(raw), torch.ones_like(raw))
+    return ddt, dA, None if dt_bias is None else ddt.sum((0, 1))
+
+
+# All together ------------------------------------------------------------------------------------
+
 def ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                          initial_states=None, seq_idx=None, dt_softplus=False,
                          dt_limit=(0.0, math.inf)):
@@ -48,125 +201,31 @@ def ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=Non
     ``dout`` (b, L, h, p) and ``dfinal`` (b, h, p, n) (either may be None: zero) are the
     gradients of the loss with respect to the outputs. Returns a dict with dx, ddt, dA, dB, dC
     and, for the inputs given, dD, dz, ddt_bias, dinitial_states, in the compute dtype (float64
-    for float64 inputs, else float32)."""
+    for float64 inputs, else float32). The forward's intermediates are recomputed (steps (a)
+    and (b) of ``reference.chunked``)."""
     cdt = compute_dtype(x, dt, A, B, C)
-    batch, seqlen, nheads, headdim = x.shape
-    ngroups, dstate = B.shape[2], B.shape[3]
+    ngroups = B.shape[2]
     to = lambda t: None if t is None else t.to(cdt)
-    x, dt, A, B, C, D, z, dt_bias = map(to, (x, dt, A, B, C, D, z, dt_bias))
+    x, dt, A, B, C, D, z, dt_bias, initial_states = map(
+        to, (x, dt, A, B, C, D, z, dt_bias, initial_states))
     dout = torch.zeros_like(x) if dout is None else dout.to(cdt)
-    dfinal = None if dfinal is None else dfinal.to(cdt)
-    grads = {}
+    dfinal = to(dfinal)
 
-    # Forward, recomputed ---------------------------------------------------------------------
-    raw = dt + dt_bias if dt_bias is not None else dt
-    soft = torch.where(raw <= 20.0, F.softplus(raw), raw) if dt_softplus else raw
-    dt_full = soft.clamp(min=dt_limit[0], max=dt_limit[1])                  # (b, L, h)
-    dtc = _chunk(dt_full, chunk_size).permute(0, 3, 1, 2)                    # (b, h, c, l)
-    dA = torch.cumsum(dtc * A[:, None, None], dim=-1)                        # (b, h, c, l)
-    nchunks = dtc.shape[2]
-    xc = _chunk(x, chunk_size)                                               # (b, c, l, h, p)
-    Bc = _chunk(expand_groups(B, nheads), chunk_size)                        # (b, c, l, h, n)
-    Cc = _chunk(expand_groups(C, nheads), chunk_size)
+    dt_out, dA_cumsum = chunked.chunk_cumsum(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit)
+    entry, final = chunked.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx)
+    y = chunk_outputs(x, B, C, dt_out, dA_cumsum, entry, seq_idx)
 
-    # (b) chunk states: v = exp(dA[last] - dA) dt, only tokens of the chunk's last sequence
-    v_decay = torch.exp(dA[..., -1:] - dA)
-    same_end = torch.ones_like(dtc)
-    if seq_idx is not None:
-        ends = seq_idx_at_chunk_ends(seq_idx, chunk_size)                    # (b, c)
-        same_end = (_chunk(seq_idx, chunk_size) == ends[..., None])[:, None].to(cdt)  # (b,1,c,l)
-    v = v_decay * dtc * same_end
-    S = torch.einsum("bclhp,bhcl,bclhn->bchpn", xc, v, Bc)
-    # (b) the pass: a = exp(dA[last]), dropped where a new sequence starts inside the chunk
-    a = torch.exp(dA[..., -1])                                               # (b, h, c)
-    if seq_idx is not None:
-        keep = (seq_idx_at_chunk_ends(seq_idx, chunk_size)
-                == seq_idx_before_chunks(seq_idx, chunk_size))               # (b, c)
-        a = a * keep[:, None].to(cdt)
-    entry = [torch.zeros(batch, nheads, headdim, dstate, dtype=cdt, device=x.device)
-             if initial_states is None else initial_states.to(cdt)]
-    for c in range(nchunks):
-        entry.append(a[:, :, c, None, None] * entry[c] + S[:, c])
-    # (c) inside the chunk: G = (C B^T) * M * dt_s; the carried-in term with w = exp(dA[l])
-    seq_c = None
-    if seq_idx is None:
-        M = decay_mask(dA)                                                   # (b, h, c, l, s)
-    else:
-        seq_c = _pad_to_chunks(seq_idx, chunk_size, value=-1).reshape(batch, nchunks, chunk_size)
-        b_, h_, c_, l_ = dA.shape
-        M = decay_mask(dA.permute(0, 2, 1, 3).reshape(b_ * c_, h_, l_), seq_c.reshape(b_ * c_, l_))
-        M = M.reshape(b_, c_, h_, l_, l_).permute(0, 2, 1, 3, 4)
-    CB = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc)
-    G = CB * M * dtc[..., None, :]
-    w = torch.exp(dA).permute(0, 2, 3, 1)                                    # (b, c, l, h)
-    if seq_c is not None:
-        running = seq_idx_before_chunks(seq_idx, chunk_size)                 # (b, c)
-        w = w * (seq_c == running[..., None])[..., None].to(cdt)
-    entries = torch.stack(entry[:-1], dim=1)                                 # (b, c, h, p, n)
-    carried = torch.einsum("bclhn,bchpn->bclhp", Cc, entries)
-    y = _unchunk(torch.einsum("bhcls,bcshp->bclhp", G, xc) + carried * w[..., None], seqlen)
-
-    # Gate and skip -------------------------------------------------------------------------------
-    skip = y if D is None else y + x * (D[:, None] if D.dim() == 1 else D)
-    dskip = dout
-    if z is not None:
-        sig = torch.sigmoid(z)
-        grads["dz"] = dout * skip * sig * (1 + z * (1 - sig))               # d silu(z) / dz
-        dskip = dout * z * sig
-    dx = torch.zeros_like(x)
-    if D is not None:
-        grads["dD"] = (dskip * x).sum((0, 1, 3)) if D.dim() == 1 else (dskip * x).sum((0, 1))
-        dx = dx + dskip * (D[:, None] if D.dim() == 1 else D)
-
-    # (c) compute_out ------------------------------------------------------------------------------
-    dy = _chunk(dskip, chunk_size)                                           # (b, c, l, h, p)
-    dcarried = dy * w[..., None]
-    ddA = (dy * carried).sum(-1).permute(0, 3, 1, 2) * w.permute(0, 3, 1, 2)  # w = exp(dA) ...
-    dCc = torch.einsum("bclhp,bchpn->bclhn", dcarried, entries)
-    dentries = torch.einsum("bclhp,bclhn->bchpn", dcarried, Cc)
-    dG = torch.einsum("bclhp,bcshp->bhcls", dy, xc)
-    dxc = torch.einsum("bhcls,bclhp->bcshp", G, dy)
-    dCB = dG * M * dtc[..., None, :]
-    dCc = dCc + torch.einsum("bhcls,bcshn->bclhn", dCB, Bc)
-    dBc = torch.einsum("bhcls,bclhn->bcshn", dCB, Cc)
-    ddtc = (dG * CB * M).sum(-2)                                             # over l
-    dexp = dG * CB * dtc[..., None, :] * M                                   # M = exp(dA_l - dA_s)
-    ddA = ddA + dexp.sum(-1) - dexp.sum(-2)
-
-    # (b) the pass over chunks, in reverse ---------------------------------------------------------
-    g = torch.zeros_like(entry[0]) if dfinal is None else dfinal            # d entry[nchunks]
-    dS = torch.empty_like(S)
-    da = torch.empty_like(a)
-    for c in reversed(range(nchunks)):
-        dS[:, c] = g
-        da[:, :, c] = (g * entry[c]).sum((-2, -1))
-        g = a[:, :, c, None, None] * g + dentries[:, c]
-    if initial_states is not None:
-        grads["dinitial_states"] = g
-    ddA[..., -1] += da * a                                                   # a = exp(dA[last]) ...
-    # (b) each chunk's own state
-    dxc = dxc + torch.einsum("bchpn,bhcl,bclhn->bclhp", dS, v, Bc)
-    dBc = dBc + torch.einsum("bchpn,bhcl,bclhp->bclhn", dS, v, xc)
-    dv = torch.einsum("bchpn,bclhp,bclhn->bhcl", dS, xc, Bc)
-    ddtc = ddtc + dv * v_decay * same_end
-    dexp = dv * v                                                            # v ~ exp(dA[last] - dA)
-    ddA[..., -1] += dexp.sum(-1)
-    ddA = ddA - dexp
-
-    # (a) the cumsum: dA[l] = sum_{l' <= l} dt[l'] A --------------------------------------------------
-    dprod = ddA.flip(-1).cumsum(-1).flip(-1)                                 # d (dt * A)
-    ddtc = ddtc + dprod * A[:, None, None]
-    grads["dA"] = (dprod * dtc).sum((0, 2, 3))
-    # dt processing: the clamp passes the gradient inside [min, max], softplus' is the sigmoid
-    ddt_full = _unchunk(ddtc.permute(0, 2, 3, 1), seqlen)                    # (b, L, h)
-    ddt = ddt_full * ((soft >= dt_limit[0]) & (soft <= dt_limit[1])).to(cdt)
-    if dt_softplus:
-        ddt = ddt * torch.where(raw <= 20.0, torch.sigmoid(raw), torch.ones_like(raw))
-    grads["ddt"] = ddt
-    if dt_bias is not None:
-        grads["ddt_bias"] = ddt.sum((0, 1))
-
-    grads["dx"] = dx + _unchunk(dxc, seqlen)
-    grads["dB"] = _sum_groups(_unchunk(dBc, seqlen), ngroups)
-    grads["dC"] = _sum_groups(_unchunk(dCc, seqlen), ngroups)
+    dy, dx, dD, dz = gate_and_skip_backward(dout, y, x, D, z)
+    dx_c, dB, dC, ddt_out, ddA, dentry = compute_out_backward(dy, x, B, C, dt_out, dA_cumsum,
+                                                              entry, seq_idx)
+    dS, ddA_pass, dinitial = state_passing_backward(dentry, dfinal, entry, final, dA_cumsum,
+                                                    seq_idx)
+    dx_s, dB_s, ddt_s, ddA_s = chunk_states_backward(dS, x, B, dt_out, dA_cumsum, seq_idx)
+    ddt, dA, ddt_bias = chunk_cumsum_backward(ddt_out + ddt_s, ddA + ddA_pass + ddA_s, dt, A,
+                                              chunk_size, dt_bias, dt_softplus, dt_limit)
+    grads = {"dx": dx_c + dx_s + (0 if dx is None else dx), "ddt": ddt, "dA": dA,
+             "dB": _sum_groups(dB + dB_s, ngroups), "dC": _sum_groups(dC, ngroups)}
+    extra = {"dD": dD, "dz": dz, "ddt_bias": ddt_bias,
+             "dinitial_states": dinitial if initial_states is not None else None}
+    grads.update({k: v for k, v in extra.items() if v is not None})
     return grads

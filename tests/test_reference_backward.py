@@ -63,3 +63,72 @@ def test_the_forward_it_differentiates_is_ssd_chunked():
     minus = ssd_chunked(**{**kw, "x": kw["x"] - eps * direction}, chunk_size=16, **options)
     numeric = ((plus - minus) * dout).sum() / (2 * eps)
     assert abs(numeric - (grads["dx"] * direction).sum()) < 1e-6 * abs(numeric)
+
+
+# Each step against autograd through its own forward step (reference.chunked) ---------------------
+
+def _step_problem():
+    kw = make_problem(batch=2, seqlen=77, nheads=4, headdim=8, ngroups=2, dstate=16,
+                      dtype=torch.float64, seed=6, seq_boundaries=[16, 37])
+    from reference import chunked
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"], kw["A"], 16, kw["dt_bias"], True, (0.0, 1.5))
+    entry, final = chunked.fwd_pass_state(kw["x"], kw["B"], dt_out, dA, kw["initial_states"],
+                                          kw["seq_idx"])
+    return kw, dt_out, dA, entry, final
+
+
+def _autograd(fn, inputs, grad_out):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, grad_out)
+    return [t.grad for t in leaves]
+
+
+def _rand_like(t, seed):
+    return torch.randn(t.shape, dtype=t.dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def test_compute_out_backward_step():
+    from reference.backward import chunk_outputs, compute_out_backward
+    from reference.common import expand_groups
+    kw, dt_out, dA, entry, _ = _step_problem()
+    Bh, Ch = expand_groups(kw["B"], 4), expand_groups(kw["C"], 4)
+    dy = _rand_like(kw["x"], 1)
+    want = _autograd(lambda x, B, C, dt, a, e: chunk_outputs(x, B, C, dt, a, e, kw["seq_idx"]),
+                     (kw["x"], Bh, Ch, dt_out, dA, entry), (dy,))
+    got = compute_out_backward(dy, kw["x"], Bh, Ch, dt_out, dA, entry, kw["seq_idx"])
+    for name, g, w in zip(("dx", "dB", "dC", "ddt_out", "ddA", "dentry"), got, want, strict=True):
+        assert rel_err(g, w) < 1e-12, name
+
+
+def test_state_passing_and_chunk_states_backward_steps():
+    from reference import chunked
+    from reference.backward import chunk_states_backward, state_passing_backward
+    from reference.common import expand_groups
+    kw, dt_out, dA, entry, final = _step_problem()
+    S = chunked.chunk_states(kw["x"], kw["B"], dt_out, dA, kw["seq_idx"])
+    dentry, dfinal = _rand_like(entry, 2), _rand_like(final, 3)
+    want = _autograd(lambda s, a, i: chunked.state_passing(s, a, i, kw["seq_idx"], 16),
+                     (S, dA, kw["initial_states"]), (dentry, dfinal))
+    dS, ddA, dinit = state_passing_backward(dentry, dfinal, entry, final, dA, kw["seq_idx"])
+    assert rel_err(dS, want[0]) < 1e-12 and rel_err(ddA, want[1]) < 1e-12
+    assert rel_err(dinit, want[2]) < 1e-12
+    Bh = expand_groups(kw["B"], 4)
+    want = _autograd(lambda x, B, dt, a: chunked.chunk_states(x, B, dt, a, kw["seq_idx"]),
+                     (kw["x"], Bh, dt_out, dA), (dS,))
+    got = chunk_states_backward(dS, kw["x"], Bh, dt_out, dA, kw["seq_idx"])
+    for name, g, w in zip(("dx", "dB", "ddt_out", "ddA"), got, want, strict=True):
+        assert rel_err(g, w) < 1e-12, name
+
+
+def test_chunk_cumsum_backward_step():
+    from reference import chunked
+    from reference.backward import chunk_cumsum_backward
+    kw, dt_out, dA, _, _ = _step_problem()
+    ddt_out, ddA = _rand_like(dt_out, 4), _rand_like(dA, 5)
+    want = _autograd(lambda dt, A, bias: chunked.chunk_cumsum(dt, A, 16, bias, True, (0.0, 1.5)),
+                     (kw["dt"], kw["A"], kw["dt_bias"]), (ddt_out, ddA))
+    got = chunk_cumsum_backward(ddt_out, ddA, kw["dt"], kw["A"], 16, kw["dt_bias"], True, (0.0, 1.5))
+    for name, g, w in zip(("ddt", "dA", "ddt_bias"), got, want, strict=True):
+        assert rel_err(g, w) < 1e-12, name
