@@ -1,0 +1,63 @@
+"""ops/bwd_pass_state.py (the reverse pass over chunks) against its specification,
+``reference.backward.state_passing_backward`` in float64.
+
+The kernel takes dA_cumsum in log2 units (as the forward kernels store it) and returns the
+gradient of dA_cumsum at each chunk's last token in natural-log units, like the reference.
+Tolerances, relative in norm: float32 1e-5 (a float32 recurrence over a few chunks; observed
+~1e-7), bf16 entry states 1e-5 as well (they are read as they are, exactly, into float32).
+"""
+import pytest
+import torch
+
+from ops.bwd_pass_state import bwd_pass_state, bwd_pass_state_plan
+from reference import chunked
+from reference.backward import state_passing_backward
+from reference.common import LOG2E
+from reference.problems import make_problem
+from reference.validate import rel_err
+
+from .kernel_helpers import DEVICES
+
+
+def problem(headdim=16, dstate=32, seq=True, entry_dtype=torch.float32, seed=6):
+    kw = make_problem(batch=2, seqlen=77, nheads=4, headdim=headdim, ngroups=2, dstate=dstate,
+                      dtype=torch.float32, seed=seed, seq_boundaries=[16, 37] if seq else None)
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"], kw["A"], 16, kw["dt_bias"], True, (0.0, 1.5))
+    entry, final = chunked.fwd_pass_state(kw["x"], kw["B"], dt_out, dA, kw["initial_states"],
+                                          kw.get("seq_idx"))
+    g = torch.Generator().manual_seed(seed)
+    dentry, dfinal = torch.randn(entry.shape, generator=g), torch.randn(final.shape, generator=g)
+    return dict(dentry=dentry, dfinal=dfinal, entry=entry.to(entry_dtype), final=final, dA=dA,
+                seq_idx=kw.get("seq_idx"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(), id="packed"),
+    pytest.param(dict(seq=False), id="one-sequence"),
+    pytest.param(dict(headdim=48, dstate=40), id="odd-sizes"),
+    pytest.param(dict(entry_dtype=torch.bfloat16), id="bf16-entry"),
+    pytest.param(dict(headdim=64, dstate=256), id="several-tiles"),
+])
+@pytest.mark.parametrize("with_dfinal", [True, False], ids=["dfinal", "no-dfinal"])
+def test_matches_the_reference(device, case, with_dfinal):
+    p = problem(**case)
+    dfinal = p["dfinal"] if with_dfinal else None
+    ref_dfinal = None if dfinal is None else dfinal.double()
+    want = state_passing_backward(p["dentry"].double(), ref_dfinal, p["entry"].double(),
+                                  p["final"].double(), p["dA"].double(), p["seq_idx"])
+    to = lambda t: None if t is None else t.to(device)
+    got = bwd_pass_state(to(p["dentry"]), to(dfinal), to(p["entry"]), to((p["dA"] * LOG2E).float()),
+                         to(p["seq_idx"]), poison=True)
+    for g, w in zip(got, (want[0], want[1][..., -1], want[2]), strict=True):
+        assert g.dtype == torch.float32 and rel_err(g.cpu(), w) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
+def test_compiles(arch):
+    from ops.tools.aot import compile_cubin
+    meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
+    entry = meta(1, 64, 80, 64, 128, dt=torch.bfloat16)
+    plan = bwd_pass_state_plan(meta(1, 64, 80, 64, 128), meta(1, 80, 64, 128), entry,
+                               meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32))
+    assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
