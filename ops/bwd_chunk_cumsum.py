@@ -21,7 +21,7 @@ import torch
 import cuda.tile as ct
 
 from .launch import Plan, fit_index_width, run
-from .utils import ZERO, ConstBool, ConstInt, cdiv, new_output, next_pow2
+from .utils import ZERO, ConstBool, ConstInt, cdiv, new_output, next_pow2, softplus
 
 
 @ct.kernel
@@ -50,13 +50,9 @@ def bwd_chunk_cumsum_kernel(
     soft = raw
     slope = ct.full((BLOCK_H, CHUNK), 1.0, dtype=ct.float32)
     if DT_SOFTPLUS:
-        # softplus as the forward computes it (log1p-accurate, identity above 20); its slope
-        # is the sigmoid.
-        u = ct.exp(ct.minimum(raw, 20.0))
-        w = 1.0 + u
-        log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
-        soft = ct.where(raw <= 20.0, log1p_u, raw)
-        slope = ct.where(raw <= 20.0, u / w, 1.0)
+        # softplus as the forward computes it (identity above 20); its slope is the sigmoid.
+        soft = softplus(raw)
+        slope = ct.where(raw <= 20.0, 1.0 / (1.0 + ct.exp(-raw)), 1.0)
     lo = ct.astype(dt_min, ct.float32)
     hi = ct.astype(dt_max, ct.float32)
     inside = (ct.arange(CHUNK, dtype=ct.int32) + c * CHUNK)[None, :] < seqlen

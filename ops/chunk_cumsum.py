@@ -52,7 +52,7 @@ import cuda.tile as ct
 from .configs import resolve_config, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (LOG2E, ZERO, ConstBool, ConstInt, cdiv, check_chunk_size, is_pow2_in, latency_hint,
-                    new_output, next_pow2)
+                    new_output, next_pow2, softplus)
 
 
 @ct.kernel
@@ -86,14 +86,7 @@ def chunk_cumsum_kernel(
         bias = ct.load(dt_bias, (hb,), shape=(BLOCK_H,), padding_mode=ZERO)
         dtv = dtv + bias.astype(ct.float32)[:, None]
     if DT_SOFTPLUS:
-        # softplus(v) = log(1 + exp(v)). For very negative v, 1 + exp(v) rounds to 1 and the
-        # plain log would return 0 instead of ~exp(v); the correction u / ((1 + u) - 1) restores
-        # log1p's accuracy (Goldberg's trick). Above 20, softplus(v) == v in float32 and exp
-        # could overflow, so those values pass through unchanged.
-        u = ct.exp(ct.minimum(dtv, 20.0))
-        w = 1.0 + u
-        log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
-        dtv = ct.where(dtv <= 20.0, log1p_u, dtv)
+        dtv = softplus(dtv)             # log1p-accurate for very negative inputs (ops.utils)
     # The clamp always applies: with the default limit (0, inf) it turns negative steps into 0.
     # (The limits are cast because a Python float argument may arrive as a 64-bit scalar.)
     lo = ct.astype(dt_min, ct.float32)

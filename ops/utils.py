@@ -68,3 +68,15 @@ def as_int32(seq_idx):
     if seq_idx is not None and seq_idx.dtype != torch.int32:
         return seq_idx.to(torch.int32)
     return seq_idx
+
+
+def softplus(v):
+    """softplus(v) = log(1 + exp(v)) of a float32 tile, inside a kernel, as mamba_ssm computes it.
+
+    For very negative v, 1 + exp(v) rounds to 1 and the plain log would return 0 instead of
+    ~exp(v); the correction u / ((1 + u) - 1) restores log1p's accuracy (Goldberg's trick).
+    Above 20, softplus(v) == v in float32 and exp could overflow, so those values pass through."""
+    u = ct.exp(ct.minimum(v, 20.0))
+    w = 1.0 + u
+    log1p_u = ct.where(w == 1.0, u, ct.log(w) * (u / (w - 1.0)))
+    return ct.where(v <= 20.0, log1p_u, v)
