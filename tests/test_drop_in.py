@@ -553,3 +553,20 @@ def test_the_parallel_compile_worker_runs_a_candidate():
     ok, message = _launch_one("compute_out", shape, "float32", "D", {"HEADS_PER_BLOCK": 3},
                               device="cpu")
     assert not ok and message.startswith("ValueError: HEADS_PER_BLOCK (3) must be 1, 2 or 4")
+
+
+def test_autograd_grad_and_checkpointing_give_the_same_gradients():
+    """torch.autograd.grad, and the call inside torch.utils.checkpoint (recomputed in the
+    backward), give loss.backward()'s gradients bitwise."""
+    from torch.utils.checkpoint import checkpoint
+    kw = problem(torch.float32, seq_boundaries=[40])
+    x = kw["x"].clone().requires_grad_(True)
+    B = kw["B"].clone().requires_grad_(True)
+    run = lambda x, B: mamba_chunk_scan_combined(**{**kw, "x": x, "B": B}, chunk_size=32,
+                                                 **OPTIONS, backend="interpret").square().sum()
+    run(x, B).backward()
+    expected = (x.grad.clone(), B.grad.clone())
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(run(x, B), (x, B)), expected))
+    x.grad = B.grad = None
+    checkpoint(run, x, B, use_reentrant=False).backward()
+    assert torch.equal(x.grad, expected[0]) and torch.equal(B.grad, expected[1])
