@@ -6,14 +6,16 @@ dS[c] (``ops/bwd_pass_state.py``), for the tokens t of chunk c:
 
     dx[t]  = v[t] * (B[t] @ dS^T)           a (CHUNK, dstate) x (dstate, headdim) product
     dB[t]  = v[t] * (x[t] @ dS)             a (CHUNK, headdim) x (headdim, dstate) product
-    dv[t]  = sum((x @ dS)[t] * B[t])        -> d dt[t] = dv[t] v[t] / dt[t],
+    dv[t]  = sum((x @ dS)[t] * B[t])        -> d dt[t] = dv[t] * exp2(dA[last] - dA[t]),
                                                d dA[t] = -dv[t] v[t], d dA[last] += sum(dv v)
 
 One block takes one chunk of one head with the whole (headdim, dstate) state; the two products
-run on the tensor cores (16-bit inputs: 16-bit operands, float32 accumulation). dB is written
-per head, (batch, seqlen, nheads, dstate) float32: the host sums the heads of each group in a
-fixed order (reproducible, no atomics). ``reference.backward.chunk_states_backward`` is the
-specification.
+run on the tensor cores (bfloat16 inputs: bf16 operands, float32 accumulation; float16 inputs
+use float32 operands, since a loss-scaled dS overflows float16's range). dB is returned per
+head, (batch, seqlen, nheads, dstate) float32, for a sum over each group's heads in a fixed
+order by the caller (reproducible, no atomics). ``reference.backward.chunk_states_backward``
+is the specification. (The whole state in one block: fine for the usual 64 x 128; the largest
+sizes compile slowly and would want state tiles.)
 """
 import torch
 
@@ -40,6 +42,7 @@ def bwd_chunk_states_kernel(
     P: ConstInt,                       # headdim and dstate tiles (powers of two, zero-padded)
     N: ConstInt,
     HAS_SEQ_IDX: ConstBool,
+    F32_OPERANDS: ConstBool,           # float32 products (float16 inputs)
 ):
     c, h, b = ct.bid(0), ct.bid(1), ct.bid(2)
     g = h // heads_per_group
@@ -59,10 +62,13 @@ def bwd_chunk_states_kernel(
         seq = ct.reshape(ct.load(seq_idx, (b, c), shape=(1, CHUNK), padding_mode=ZERO), (CHUNK,))
         decay = ct.where(seq == seq_last, decay, 0.0)
     v = decay * dt
-    # The two products, with 16-bit (or float32) operands and float32 accumulators.
-    s_op = s.astype(x.dtype)
-    b_ds = ct.mma(bt.astype(x.dtype), ct.transpose(s_op), ct.zeros((CHUNK, P), dtype=ct.float32))
-    x_ds = ct.mma(xt, s_op, ct.zeros((CHUNK, N), dtype=ct.float32))
+    # The two products, with x's dtype (or float32) operands and float32 accumulators.
+    if F32_OPERANDS:
+        s_op, b_op, x_op = s, bt.astype(ct.float32), xt.astype(ct.float32)
+    else:
+        s_op, b_op, x_op = s.astype(x.dtype), bt.astype(x.dtype), xt
+    b_ds = ct.mma(b_op, ct.transpose(s_op), ct.zeros((CHUNK, P), dtype=ct.float32))
+    x_ds = ct.mma(x_op, s_op, ct.zeros((CHUNK, N), dtype=ct.float32))
     ct.store(dx, (b, c, h, 0), ct.reshape(b_ds * v[:, None], (1, CHUNK, 1, P)))
     ct.store(dB, (b, c, h, 0), ct.reshape(x_ds * v[:, None], (1, CHUNK, 1, N)))
     dv = ct.sum(x_ds * bt.astype(ct.float32), axis=1)                 # (CHUNK,)
@@ -86,7 +92,7 @@ def bwd_chunk_states_plan(dS, x, B, dt_out, dA_cumsum, seq_idx=None, poison=Fals
     seq_idx = as_int32(seq_idx)
     args = (dS, x, B, dt_out, dA_cumsum, seq_idx if seq_idx is not None else dt_out, dx, dB,
             ddt, ddA, nheads // ngroups, chunk_size, tile_size(headdim), tile_size(dstate),
-            seq_idx is not None)
+            seq_idx is not None, x.dtype == torch.float16)
     return Plan((nchunks, nheads, batch), fit_index_width(bwd_chunk_states_kernel, args), args,
                 (dx, dB, ddt, ddA))
 

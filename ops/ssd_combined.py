@@ -1,11 +1,11 @@
-"""The public forward pass: a drop-in for mamba_ssm's ``mamba_chunk_scan_combined`` (forward only).
+"""The public entry point: a drop-in for mamba_ssm's ``mamba_chunk_scan_combined``.
 
 It checks its inputs (a bad shape or dtype raises at once, naming the argument) and runs one of
 the backends; traced, through a PyTorch custom operator (``ops.torch_op``), so that
 ``torch.compile`` traces a model calling it without a graph break:
 
-    "reference"  the chunked PyTorch reference (reference/chunked.py), any device; the one
-                 backend that is differentiable (it is called directly when a gradient is needed)
+    "reference"  the chunked PyTorch reference (reference/chunked.py), any device;
+                 differentiated by autograd itself
     "interpret"  the three cuTile kernels, executed on the CPU by the ops/interpreter/ package
     "cutile"     the three cuTile kernels, compiled and launched on a CUDA GPU
     "auto"       "cutile" for CUDA tensors on a GPU cuTile supports (and sizes the kernels take:
@@ -70,6 +70,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                         f"got {x.dtype} (float64 works with backend='reference')")
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if wants_grad and return_varlen_states and resolved != "reference":
+        raise NotImplementedError(
+            "gradients through return_varlen_states are not implemented for the kernel "
+            "backends: compute the varlen states under torch.no_grad(), or use backend='reference'")
     options = dict(chunk_size=chunk_size, dt_softplus=bool(dt_softplus),
                    dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]),
                    with_varlen=bool(return_varlen_states), state_dtype=state_dtype)

@@ -4,9 +4,9 @@
 stream objects, the interpreter is Python over tiles): to the compiler, the operator is one
 opaque call whose outputs' shapes and dtypes its fake implementation gives. Everything that reads
 a tensor's values (the seq_idx and cu_seqlens checks) runs inside it, so a compiled model has no
-graph break there. ``ops.ssd_combined`` uses the operator when it is traced; eager calls run its
-work, ``forward``, directly (the dispatch costs tens of microseconds), and so do calls that need
-a gradient (the operator has no autograd formula yet; the reference backend is plain PyTorch).
+graph break there. ``ops.ssd_combined`` uses the operator when it is traced or a gradient is
+needed (its backward is registered below); other eager calls run its work, ``forward``, directly
+(the dispatch costs tens of microseconds), and a differentiable reference call is plain PyTorch.
 
 Outputs: ``out`` (b, L, h, p) in x's dtype, ``final_states`` (b, h, p, n) float32 (float64 for
 float64 inputs), ``varlen_states`` (nseq, h, p, n) in the same dtype, or (0, h, p, n) when not
@@ -112,10 +112,7 @@ def _backward(ctx, dout, dfinal, dvarlen):
     from reference.backward import ssd_chunked_backward
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
     o = ctx.options
-    if (dvarlen is not None and dvarlen.numel() and not torch.compiler.is_compiling()
-            and bool(dvarlen.any())):
-        raise NotImplementedError("gradients through return_varlen_states are not implemented: "
-                                  "use the outputs and the final states in the loss")
+    # (varlen states with a gradient are refused before the forward: ops.ssd_combined)
     seq_idx = check_values(x, seq_idx, cu_seqlens, check=False)
     g = ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, o["chunk_size"], D=D, z=z,
                              dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,

@@ -71,7 +71,8 @@ def as_int32(seq_idx):
 
 
 def softplus(v):
-    """softplus(v) = log(1 + exp(v)) of a float32 tile, inside a kernel, as mamba_ssm computes it.
+    """softplus(v) = log(1 + exp(v)) of a float32 tile, inside a kernel (the identity above 20,
+    as mamba_ssm's threshold).
 
     For very negative v, 1 + exp(v) rounds to 1 and the plain log would return 0 instead of
     ~exp(v); the correction u / ((1 + u) - 1) restores log1p's accuracy (Goldberg's trick).

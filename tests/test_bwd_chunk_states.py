@@ -17,7 +17,7 @@ from reference.validate import rel_err
 
 from .kernel_helpers import DEVICES
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-5}
 
 
 def problem(dtype, headdim=16, dstate=32, seq=True, seqlen=77):
@@ -30,12 +30,15 @@ def problem(dtype, headdim=16, dstate=32, seq=True, seqlen=77):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", [pytest.param(dict(), id="packed-ragged"),
                                   pytest.param(dict(seq=False, seqlen=64), id="whole-chunks"),
                                   pytest.param(dict(headdim=48, dstate=40), id="odd-sizes")])
 def test_matches_the_reference(device, dtype, case):
     kw, dt_out, dA, dS = problem(dtype, **case)
+    if dtype == torch.float16:
+        dS = dS * 1e5                                   # as under loss scaling
     f64 = lambda t: None if t is None else (t.double() if t.is_floating_point() else t)
     want = chunk_states_backward(dS.double(), f64(kw["x"]), f64(kw["B"]), dt_out.double(),
                                  dA.double(), kw.get("seq_idx"))

@@ -131,12 +131,35 @@ def test_a_compiled_training_step_equals_eager():
 
 
 def test_no_gradient_through_varlen_states():
+    """Refused when the call is made, eagerly and compiled (a backward could only drop it)."""
     kw = problem(torch.float32)
     kw["x"] = kw["x"].clone().requires_grad_(True)
-    out, varlen = mamba_chunk_scan_combined(**kw, chunk_size=32, cu_seqlens=torch.tensor(BOUNDS),
-                                            return_varlen_states=True, backend="interpret")
+    call = lambda x: mamba_chunk_scan_combined(**{**kw, "x": x}, chunk_size=32,
+                                               cu_seqlens=torch.tensor(BOUNDS),
+                                               return_varlen_states=True, backend="interpret")
     with pytest.raises(NotImplementedError, match="return_varlen_states"):
-        (out.sum() + varlen.sum()).backward()
+        call(kw["x"])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="return_varlen_states"):
+        torch.compile(call, backend="aot_eager", fullgraph=True)(kw["x"])
+    with torch.no_grad():                              # without a gradient: fine
+        assert call(kw["x"])[1].shape == (4, 4, 16, 16)
+
+
+def test_gradients_come_back_in_each_inputs_dtype():
+    """bf16 inputs through the operator: each gradient in its input's dtype, finite; inputs that
+    do not require a gradient get none."""
+    kw = problem(torch.bfloat16, seq_boundaries=[40])
+    wants = ("x", "B", "dt_bias")
+    inputs = {k: (v.clone().requires_grad_(k in wants) if v.is_floating_point() else v)
+              for k, v in kw.items()}
+    out = mamba_chunk_scan_combined(**inputs, chunk_size=32, **OPTIONS, backend="interpret")
+    out.float().square().sum().backward()
+    for k, v in inputs.items():
+        if k in wants:
+            assert v.grad.dtype == v.dtype and torch.isfinite(v.grad).all() and v.grad.abs().sum() > 0, k
+        elif v.is_floating_point():
+            assert v.grad is None, k
 
 
 def test_reference_backend_gives_the_recurrences_gradients():
