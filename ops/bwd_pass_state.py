@@ -25,19 +25,14 @@ import torch
 
 import cuda.tile as ct
 
-from .fwd_pass_state import pick_tiles
+from .fwd_pass_state import load_state, pick_tiles
 from .launch import Plan, fit_index_width, run
 from .utils import ZERO, ConstBool, ConstInt, as_int32, cdiv, new_output
 
 
-def state_tile(array, b, h, pi, ni, BLOCK_P, BLOCK_N):
-    """Tile (pi, ni) of a (batch, nheads, headdim, dstate) array as float32 (zero-padded)."""
-    t = ct.load(array, (b, h, pi, ni), shape=(1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO)
-    return ct.reshape(t, (BLOCK_P, BLOCK_N)).astype(ct.float32)
-
-
 def chunk_state_tile(array, b, c, h, pi, ni, BLOCK_P, BLOCK_N):
-    """The same of chunk c of a (batch, nchunks, nheads, headdim, dstate) array."""
+    """Tile (pi, ni) of chunk c of a (batch, nchunks, nheads, headdim, dstate) array as float32
+    (zero-padded); ``fwd_pass_state.load_state`` reads the (batch, nheads, ...) ones."""
     t = ct.load(array, (b, c, h, pi, ni), shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO)
     return ct.reshape(t, (BLOCK_P, BLOCK_N)).astype(ct.float32)
 
@@ -63,7 +58,7 @@ def bwd_pass_state_kernel(
     pi, ni = tile_id % n_ptiles, tile_id // n_ptiles
     nchunks = dA_cumsum.shape[2]
     if HAS_DFINAL:
-        g = state_tile(dfinal, b, h, pi, ni, BLOCK_P, BLOCK_N)
+        g = load_state(dfinal, b, h, pi, ni, BLOCK_P, BLOCK_N, False, 0)
     else:
         g = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     for i in range(nchunks):

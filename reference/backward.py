@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from . import chunked
-from .chunked import _chunk, _pad_to_chunks, seq_idx_at_chunk_ends, seq_idx_before_chunks
+from .chunked import _chunk
 from .common import compute_dtype, expand_groups
-from .quadratic import decay_mask
 
 
 def _unchunk(t, seqlen):
@@ -63,43 +62,16 @@ def gate_and_skip_backward(dout, y, x, D=None, z=None):
 
 # (c) compute_out -------------------------------------------------------------------------------
 
-def _inside_chunk(C, B, dt_out, dA_cumsum, seq_idx, nheads):
-    """The chunked C, B (b, c, l, h, n), C B^T and the masked decay M (b, h, c, l, s), and the
-    carried-in weight w = exp(dA[l]) (b, c, l, h), masked to the sequence running at the start."""
-    batch, _, nchunks, chunk_size = dt_out.shape
-    Bc = _chunk(expand_groups(B, nheads), chunk_size)
-    Cc = _chunk(expand_groups(C, nheads), chunk_size)
-    w = torch.exp(dA_cumsum).permute(0, 2, 3, 1)
-    if seq_idx is None:
-        M = decay_mask(dA_cumsum)
-    else:
-        seq_c = _pad_to_chunks(seq_idx, chunk_size, value=-1).reshape(batch, nchunks, chunk_size)
-        h = dA_cumsum.shape[1]
-        M = decay_mask(dA_cumsum.permute(0, 2, 1, 3).reshape(batch * nchunks, h, chunk_size),
-                       seq_c.reshape(batch * nchunks, chunk_size))
-        M = M.reshape(batch, nchunks, h, chunk_size, chunk_size).permute(0, 2, 1, 3, 4)
-        running = seq_idx_before_chunks(seq_idx, chunk_size)
-        w = w * (seq_c == running[..., None])[..., None].to(w.dtype)
-    return Cc, Bc, torch.einsum("bclhn,bcshn->bhcls", Cc, Bc), M, w
-
-
-def chunk_outputs(x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None):
-    """y before the skip and gate, (b, L, h, p): what ``compute_out_backward`` differentiates
-    (``reference.chunked.compute_out`` computes the same, with D and z)."""
-    Cc, Bc, CB, M, w = _inside_chunk(C, B, dt_out, dA_cumsum, seq_idx, x.shape[2])
-    xc = _chunk(x, dt_out.shape[3])
-    G = CB * M * dt_out[..., None, :]
-    y = torch.einsum("bhcls,bcshp->bclhp", G, xc)
-    y = y + torch.einsum("bclhn,bchpn->bclhp", Cc, entry_states) * w[..., None]
-    return _unchunk(y, x.shape[1])
-
-
 def compute_out_backward(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None):
-    """Gradients of ``chunk_outputs`` for dy (b, L, h, p): dx (b, L, h, p), dB and dC as each
-    head read them (b, L, h, n), ddt_out and ddA_cumsum (b, h, c, l), dentry (b, c, h, p, n)."""
+    """Gradients of ``reference.chunked.compute_out`` (without D and z) for dy (b, L, h, p):
+    dx (b, L, h, p), dB and dC as each head read them (b, L, h, n), ddt_out and ddA_cumsum
+    (b, h, c, l), dentry (b, c, h, p, n)."""
     seqlen, nheads = x.shape[1], x.shape[2]
     chunk_size = dt_out.shape[3]
-    Cc, Bc, CB, M, w = _inside_chunk(C, B, dt_out, dA_cumsum, seq_idx, nheads)
+    Bc = _chunk(expand_groups(B, nheads), chunk_size)
+    Cc = _chunk(expand_groups(C, nheads), chunk_size)
+    CB = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc)
+    M, w = chunked.output_decays(dA_cumsum, seq_idx)
     xc, dyc = _chunk(x, chunk_size), _chunk(dy, chunk_size)
     # carried in: y += w[l] (C_l . entry), w = exp(dA[l])
     carried = torch.einsum("bclhn,bchpn->bclhp", Cc, entry_states)
@@ -123,21 +95,11 @@ def compute_out_backward(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
 
 # (b) the pass over chunks, and each chunk's state ----------------------------------------------
 
-def _chunk_decay(dA_cumsum, seq_idx):
-    """a[c] = exp(dA[c, last]) (b, h, c), 0 where a new sequence starts inside chunk c."""
-    a = torch.exp(dA_cumsum[..., -1])
-    if seq_idx is not None:
-        chunk_size = dA_cumsum.shape[3]
-        keep = seq_idx_at_chunk_ends(seq_idx, chunk_size) == seq_idx_before_chunks(seq_idx, chunk_size)
-        a = a * keep[:, None].to(a.dtype)
-    return a
-
-
 def state_passing_backward(dentry, dfinal, entry_states, final_states, dA_cumsum, seq_idx=None):
     """The pass in REVERSE: from entry[c + 1] = a[c] entry[c] + S[c] (entry[nchunks] the final
     state) and the gradients of every entry state (b, c, h, p, n) and of the final state ->
     (dS (b, c, h, p, n), ddA_cumsum (b, h, c, l) at each chunk's last token, dinitial)."""
-    a = _chunk_decay(dA_cumsum, seq_idx)
+    a = chunked.chunk_decays(dA_cumsum, seq_idx)
     nchunks = a.shape[2]
     g = torch.zeros_like(final_states) if dfinal is None else dfinal      # d entry[nchunks]
     dS = torch.empty_like(entry_states)
@@ -157,10 +119,7 @@ def chunk_states_backward(dS, x, B, dt_out, dA_cumsum, seq_idx=None):
     chunk_size = dt_out.shape[3]
     xc = _chunk(x, chunk_size)
     Bc = _chunk(expand_groups(B, nheads), chunk_size)
-    decay = torch.exp(dA_cumsum[..., -1:] - dA_cumsum)
-    if seq_idx is not None:
-        ends = seq_idx_at_chunk_ends(seq_idx, chunk_size)
-        decay = decay * (_chunk(seq_idx, chunk_size) == ends[..., None])[:, None].to(decay.dtype)
+    decay = chunked.state_write_decay(dA_cumsum, seq_idx)
     v = decay * dt_out
     dxc = torch.einsum("bchpn,bhcl,bclhn->bclhp", dS, v, Bc)
     dBc = torch.einsum("bchpn,bhcl,bclhp->bclhn", dS, v, xc)
@@ -213,7 +172,7 @@ def ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=Non
 
     dt_out, dA_cumsum = chunked.chunk_cumsum(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit)
     entry, final = chunked.fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states, seq_idx)
-    y = chunk_outputs(x, B, C, dt_out, dA_cumsum, entry, seq_idx)
+    y = chunked.compute_out(x, B, C, dt_out, dA_cumsum, entry, seq_idx=seq_idx)
 
     dy, dx, dD, dz = gate_and_skip_backward(dout, y, x, D, z)
     dx_c, dB, dC, ddt_out, ddA, dentry = compute_out_backward(dy, x, B, C, dt_out, dA_cumsum,

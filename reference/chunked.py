@@ -94,14 +94,33 @@ def chunk_states(x, B, dt_out, dA_cumsum, seq_idx=None):
     cdt = dA_cumsum.dtype
     xc = _chunk(x.to(cdt), chunk_size)                                   # (b, c, l, h, p)
     Bc = _chunk(expand_groups(B.to(cdt), x.shape[2]), chunk_size)       # (b, c, l, h, n)
-    weight = torch.exp(dA_cumsum[..., -1:] - dA_cumsum) * dt_out        # (b, h, c, l)
-    if seq_idx is not None:
-        same = _chunk(seq_idx, chunk_size) == seq_idx_at_chunk_ends(seq_idx, chunk_size)[..., None]
-        weight = weight * same[:, None]                                  # (b, 1, c, l)
+    weight = state_write_decay(dA_cumsum, seq_idx) * dt_out             # (b, h, c, l)
     return torch.einsum("bclhp,bhcl,bclhn->bchpn", xc, weight, Bc)
 
 
-def state_passing(states, dA_cumsum, initial_states=None, seq_idx=None, chunk_size=None):
+def state_write_decay(dA_cumsum, seq_idx=None):
+    """exp(dA_cumsum[last] - dA_cumsum[t]) (b, h, c, l): how much token t's write to the state
+    decays by the chunk's end; 0 for tokens of another sequence than the chunk's last token's."""
+    chunk_size = dA_cumsum.shape[-1]
+    decay = torch.exp(dA_cumsum[..., -1:] - dA_cumsum)
+    if seq_idx is not None:
+        same = _chunk(seq_idx, chunk_size) == seq_idx_at_chunk_ends(seq_idx, chunk_size)[..., None]
+        decay = decay * same[:, None]                                    # (b, 1, c, l)
+    return decay
+
+
+def chunk_decays(dA_cumsum, seq_idx=None):
+    """exp(dA_cumsum[c, last]) (b, h, c): how much the carried state decays over chunk c; 0 where
+    a new sequence starts inside the chunk (the carried state is dropped there)."""
+    decay = torch.exp(dA_cumsum[..., -1])
+    if seq_idx is not None:
+        chunk_size = dA_cumsum.shape[-1]
+        same = seq_idx_at_chunk_ends(seq_idx, chunk_size) == seq_idx_before_chunks(seq_idx, chunk_size)
+        decay = decay * same[:, None]
+    return decay
+
+
+def state_passing(states, dA_cumsum, initial_states=None, seq_idx=None):
     """The only sequential step: walk the chunks in order.
 
     ``entry[c] = running``;  ``running = exp(dA_cumsum[c, last]) * running + states[c]``.
@@ -111,10 +130,7 @@ def state_passing(states, dA_cumsum, initial_states=None, seq_idx=None, chunk_si
     batch, nchunks, nheads, headdim, dstate = states.shape
     running = (torch.zeros_like(states[:, 0]) if initial_states is None
                else initial_states.to(states.dtype).clone())
-    chunk_decay = torch.exp(dA_cumsum[..., -1])                          # (b, h, c)
-    if seq_idx is not None:
-        same = seq_idx_at_chunk_ends(seq_idx, chunk_size) == seq_idx_before_chunks(seq_idx, chunk_size)
-        chunk_decay = chunk_decay * same[:, None]
+    chunk_decay = chunk_decays(dA_cumsum, seq_idx)                       # (b, h, c)
     entry = []
     for c in range(nchunks):
         entry.append(running)
@@ -125,7 +141,7 @@ def state_passing(states, dA_cumsum, initial_states=None, seq_idx=None, chunk_si
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None):
     """(b) as the kernel computes it: chunk states and the pass over chunks, together."""
     states = chunk_states(x, B, dt_out, dA_cumsum, seq_idx)
-    return state_passing(states, dA_cumsum, initial_states, seq_idx, dt_out.shape[-1])
+    return state_passing(states, dA_cumsum, initial_states, seq_idx)
 
 
 # (c) ------------------------------------------------------------------------------------------
@@ -143,28 +159,34 @@ def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_id
     Bc = _chunk(expand_groups(B.to(cdt), nheads), chunk_size)           # (b, c, s, h, n)
     Cc = _chunk(expand_groups(C.to(cdt), nheads), chunk_size)           # (b, c, l, h, n)
 
-    seq_c = None if seq_idx is None else _pad_to_chunks(seq_idx, chunk_size, value=-1)
-    seq_c = None if seq_c is None else seq_c.reshape(seq_c.shape[0], -1, chunk_size)   # (b, c, l)
     # Diagonal block: C B^T, the decay mask, and dt x, all within one chunk.
-    if seq_c is None:
-        mask = decay_mask(dA_cumsum)                                    # M: (b, h, c, l, s)
-    else:   # decay_mask takes seq ids as (batch, n): fold the chunks into the batch.
-        b, h, c, l = dA_cumsum.shape
-        mask = decay_mask(dA_cumsum.permute(0, 2, 1, 3).reshape(b * c, h, l), seq_c.reshape(b * c, l))
-        mask = mask.reshape(b, c, h, l, l).permute(0, 2, 1, 3, 4)
+    mask, carried_decay = output_decays(dA_cumsum, seq_idx)
     scores = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc) * mask
     y = torch.einsum("bhcls,bhcs,bcshp->bclhp", scores, dt_out, xc)
 
     # Off-diagonal blocks: the state each chunk starts from, decayed to each token, read by C.
     carry = torch.einsum("bclhn,bchpn->bclhp", Cc, entry_states.to(cdt))
-    carry = carry * torch.exp(dA_cumsum).permute(0, 2, 3, 1)[..., None]
-    if seq_c is not None:
-        running = seq_idx_before_chunks(seq_idx, chunk_size)             # (b, c)
-        carry = carry * (seq_c == running[..., None])[..., None, None]
+    carry = carry * carried_decay[..., None]
     y = (y + carry).reshape(x.shape[0], -1, nheads, x.shape[3])[:, :seqlen]
 
     return apply_skip_and_gate(y, x.to(cdt), None if D is None else D.to(cdt),
                                None if z is None else z.to(cdt))
+
+
+def output_decays(dA_cumsum, seq_idx=None):
+    """The decays of (c): M (b, h, c, l, s) = exp(dA_cumsum[l] - dA_cumsum[s]) for s <= l of one
+    sequence, else 0 (the diagonal block's mask), and exp(dA_cumsum[l]) (b, c, l, h), 0 for tokens
+    of another sequence than the one running at the chunk's start (the carried-in term's)."""
+    b, h, c, l = dA_cumsum.shape
+    carried = torch.exp(dA_cumsum).permute(0, 2, 3, 1)
+    if seq_idx is None:
+        return decay_mask(dA_cumsum), carried
+    seq_c = _pad_to_chunks(seq_idx, l, value=-1).reshape(b, c, l)
+    # decay_mask takes seq ids as (batch, n): fold the chunks into the batch.
+    mask = decay_mask(dA_cumsum.permute(0, 2, 1, 3).reshape(b * c, h, l), seq_c.reshape(b * c, l))
+    running = seq_idx_before_chunks(seq_idx, l)                          # (b, c)
+    carried = carried * (seq_c == running[..., None])[..., None]
+    return mask.reshape(b, c, h, l, l).permute(0, 2, 1, 3, 4), carried
 
 
 # All together ---------------------------------------------------------------------------------

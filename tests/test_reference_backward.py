@@ -90,12 +90,14 @@ def _rand_like(t, seed):
 
 
 def test_compute_out_backward_step():
-    from reference.backward import chunk_outputs, compute_out_backward
+    from reference import chunked
+    from reference.backward import compute_out_backward
     from reference.common import expand_groups
     kw, dt_out, dA, entry, _ = _step_problem()
     Bh, Ch = expand_groups(kw["B"], 4), expand_groups(kw["C"], 4)
     dy = _rand_like(kw["x"], 1)
-    want = _autograd(lambda x, B, C, dt, a, e: chunk_outputs(x, B, C, dt, a, e, kw["seq_idx"]),
+    want = _autograd(lambda x, B, C, dt, a, e: chunked.compute_out(x, B, C, dt, a, e,
+                                                                   seq_idx=kw["seq_idx"]),
                      (kw["x"], Bh, Ch, dt_out, dA, entry), (dy,))
     got = compute_out_backward(dy, kw["x"], Bh, Ch, dt_out, dA, entry, kw["seq_idx"])
     for name, g, w in zip(("dx", "dB", "dC", "ddt_out", "ddA", "dentry"), got, want, strict=True):
@@ -109,7 +111,7 @@ def test_state_passing_and_chunk_states_backward_steps():
     kw, dt_out, dA, entry, final = _step_problem()
     S = chunked.chunk_states(kw["x"], kw["B"], dt_out, dA, kw["seq_idx"])
     dentry, dfinal = _rand_like(entry, 2), _rand_like(final, 3)
-    want = _autograd(lambda s, a, i: chunked.state_passing(s, a, i, kw["seq_idx"], 16),
+    want = _autograd(lambda s, a, i: chunked.state_passing(s, a, i, kw["seq_idx"]),
                      (S, dA, kw["initial_states"]), (dentry, dfinal))
     dS, ddA, dinit = state_passing_backward(dentry, dfinal, entry, final, dA, kw["seq_idx"])
     assert rel_err(dS, want[0]) < 1e-12 and rel_err(ddA, want[1]) < 1e-12

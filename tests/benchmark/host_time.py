@@ -13,7 +13,6 @@ waited for, except where said):
     ``kernel_forward`` alone.
 """
 import argparse
-import csv
 import statistics
 import time
 
@@ -89,11 +88,10 @@ def main(argv=None):
         print(f"{name:40s} {seconds * 1e3:8.4f} ms")
     print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")
     if args.out:
-        with open(args.out, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["shape", "what", "ms", "device", "torch"])
-            for name, seconds in rows.items():
-                w.writerow([args.shape, name, seconds * 1e3, torch.cuda.get_device_name(), torch.__version__])
+        from tests.benchmark.report import write_csv
+        device = torch.cuda.get_device_name()
+        write_csv(args.out, [dict(shape=args.shape, what=name, ms=seconds * 1e3, device=device,
+                                  torch=torch.__version__) for name, seconds in rows.items()])
 
 
 if __name__ == "__main__":
