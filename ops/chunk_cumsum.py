@@ -161,8 +161,8 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0
 
     dt_out is the processed step (0 past seqlen); dA_cumsum is the within-chunk cumulative sum
     of dt_out * A times log2(e), i.e. ``reference.chunked.chunk_cumsum``'s result * LOG2E.
-    Inputs must be contiguous. ``poison=True`` NaN-fills the outputs first (for tests).
-    ``config`` picks a variant (see ``search_space``); None is ``default_config``.
+    Inputs as ``ops.torch_op.as_kernel_input`` gives them. ``poison=True`` NaN-fills the outputs
+    first (for tests). ``config`` picks a variant (see ``search_space``); None is the default.
     """
     return run(chunk_cumsum_plan(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit,
                                  poison=poison, config=config))

@@ -708,9 +708,9 @@ def compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, s
 
 def compute_out(x, B, C, dt_out, dA_cumsum, entry_states, D=None, z=None, seq_idx=None,
                 poison=False, config=None):
-    """-> out (b, L, h, p) in x's dtype. Inputs must be contiguous; dA_cumsum in log2 units.
-    ``poison=True`` NaN-fills the output first (for tests). ``config`` picks a variant (see
-    ``search_space``); None is ``default_config``."""
+    """-> out (b, L, h, p) in x's dtype. Inputs as ``ops.torch_op.as_kernel_input`` gives them;
+    dA_cumsum in log2 units. ``poison=True`` NaN-fills the output first (for tests). ``config``
+    picks a variant (see ``search_space``); None is ``default_config``."""
     out, = run(compute_out_plan(x, B, C, dt_out, dA_cumsum, entry_states, D, z, seq_idx,
                                 poison=poison, config=config))
     return out

@@ -368,9 +368,9 @@ def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
 
     dt_out and dA_cumsum come from ``chunk_cumsum`` (dA_cumsum in log2 units). entry_states is
     float32 unless ``states_dtype`` says otherwise (16 bits halves its traffic; compute_out
-    rounds it to C's dtype for its product anyway). Inputs must be contiguous.
-    ``poison=True`` NaN-fills the outputs first (for tests). ``config`` picks a variant (see
-    ``search_space``); None is ``default_config``.
+    rounds it to C's dtype for its product anyway); inputs as ``ops.torch_op.as_kernel_input``
+    gives them. ``poison=True`` NaN-fills the outputs first (for tests). ``config`` picks a
+    variant (see ``search_space``); None is ``default_config``.
     """
     return run(fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states, seq_idx,
                                    states_dtype, poison=poison, config=config))

@@ -22,18 +22,72 @@ Tensor = torch.Tensor
 
 
 def as_kernel_input(t):
-    """``t`` contiguous, with the canonical strides also in its size-1 dimensions (a batch-1
-    slice of a longer tensor is "contiguous" but keeps its parent's stride there, which the
-    kernels would otherwise index with). Copies only a tensor that is not contiguous."""
+    """``t`` as the kernels read it: the tensor itself where they read it in place, else a
+    contiguous copy; in both, size-1 dimensions get canonical strides.
+
+    A Mamba-2 layer passes slices of its projection (``ops/mixer.py``): z and dt (and x, B, C
+    where the convolution keeps channels last) with a contiguous last dimension and the row
+    length as token stride. The kernels index only through ``ct.load`` / ``ct.store``, which
+    follow each array's strides (the interpreter indexes the tensor itself), so such views need
+    no copy, which saves a full read and write of each (``_readable_in_place`` says which).
+
+    A size-1 dimension's stride is never stepped, yet a batch-1 slice of a longer tensor keeps
+    its parent's there (2**33 in a 1M-token layer), which the launch would pass to the kernel,
+    out of the 32-bit index range: it is replaced without copying (``_canonical_strides``)."""
     if t is None:
         return None
-    t = t.contiguous()
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= size
-    strides = tuple(reversed(strides))
+    if not _readable_in_place(t):
+        t = t.contiguous()
+    strides = _canonical_strides(t)
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
+
+
+ALIGN = 16      # bytes
+
+
+def _readable_in_place(t):
+    """Whether the kernels read ``t`` where it lies: a contiguous tensor always (as ever); a view
+    when a launch compiles it to the same loads as a contiguous, aligned tensor (TMA copies,
+    16-byte vectors), which needs
+
+    * the last dimension contiguous (a strided one makes every load gather single elements);
+    * the first element and every stepped stride 16-byte aligned: a launch specialises on both,
+      and without them compiles element-by-element loads (4-5 times the instructions in
+      fwd_pass_state and compute_out for sm_90); a copy keeps the fast code for one pass;
+    * no two elements at one address (no broadcast, stride-0 or overlapping dimension: cuTile
+      may compile an array as one whose elements never alias). Taken by increasing stride, each
+      dimension of size > 1 must step past all elements of the smaller ones: true of every
+      slice or permutation of a contiguous tensor.
+
+    Traced by torch.compile, only the reference backend runs here (the kernels run inside the
+    opaque operator, on real tensors), so the base address, unknown then, is not asked for."""
+    if t.is_contiguous():
+        return True
+    size = t.element_size()
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return False
+    if not torch.compiler.is_compiling() and t.data_ptr() % ALIGN:
+        return False
+    reach = 1                        # one past the largest offset reached by the dims so far
+    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach or (stride != 1 and stride * size % ALIGN):
+            return False
+        reach += (n - 1) * stride
+    return True
+
+
+def _canonical_strides(t):
+    """``t``'s strides, each size-1 dimension's replaced by the reach of the dimensions inside it
+    (one past their largest offset): for a contiguous tensor its contiguous strides, as before
+    (so the same compiled code), and never more than ``ops.launch.element_reach(t)``, which
+    picks the index width."""
+    strides, reach = [], 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if size == 1:
+            stride = reach
+        strides.append(stride)
+        reach += (max(size, 1) - 1) * stride
+    return tuple(reversed(strides))
 
 
 def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chunk_size,
