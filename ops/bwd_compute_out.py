@@ -1,0 +1,482 @@
+"""Backward kernels: the gradients of compute_out (kernel (c)), without D and z.
+
+The forward (``ops/compute_out.py``) computes, for a token l of chunk c (dA in log2 units):
+
+    y[l] = w[l] (C[l] @ entry[c]^T) + sum_{s <= l} G[l, s] x[s]
+    G[l, s] = (C[l] . B[s]) M[l, s] dt[s],  M[l, s] = exp2(dA[l] - dA[s])   (0 for s > l or
+                                                                             another sequence)
+    w[l] = exp2(dA[l])                                 (0 unless l belongs to the sequence
+                                                        running at the chunk's start)
+
+so, with dG[l, s] = dy[l] . x[s] and dCB = dG M dt (``reference.backward.compute_out_backward``):
+
+    dx[s]     = sum_l G[l, s] dy[l]                     dB[s] = sum_l dCB[l, s] C[l]
+    dC[l]     = sum_s dCB[l, s] B[s] + w[l] (dy[l] @ entry)
+    ddt[s]    = sum_l dG[l, s] (C[l] . B[s]) M[l, s]
+    ddA[t]    = sum_s (dG G)[t, s] - sum_l (dG G)[l, t] + w[t] (dy[t] . (C[t] @ entry^T))
+    dentry[c] = sum_l w[l] outer(dy[l], C[l])
+
+ddA is the gradient of dA_cumsum in natural-log units (exp2 of log2 values is exp of natural
+ones: the same factors), like the reference's and the other backward kernels'.
+
+Two kernels
+    The gradients of the tokens (dx, dB, dC, ddt, ddA) and that of the entry state (dentry) want
+    different blocks. Each token's gradients sum over the chunk's other tokens; dentry sums over
+    all the chunk's tokens for one head, a (headdim, dstate) result per head. Holding both in one
+    block would mean the whole chunk per block (too many registers at chunk 256) or partial
+    dentry sums added across blocks (atomics, not reproducible). So:
+
+    ``bwd_compute_out_kernel``  one block per (BLOCK_T-token tile of the sequence, block of heads
+        of one group, batch), grid axis 0 the tiles times the head blocks, head blocks fastest
+        (blocks running together read the same B and C tiles, from L2). Its tile t of chunk c
+        plays both roles of the quadratic form: as the SOURCE tokens s (the column tile: dx, dB,
+        ddt and the column sums of dG G, summed over the row tiles i >= t) and as the TARGET
+        tokens l (the row tile: dC and the row sums of dG G, summed over the column tiles
+        j <= t), plus the carried-in terms of its rows. Every (BLOCK_T, BLOCK_T) tile of C B^T,
+        dG, the decays and G is formed in registers and never leaves the chip (the forward's
+        way); the diagonal pair is formed once per role. A block's work is the same for every
+        tile (n - t column steps + t + 1 row steps, n tiles per chunk), so blocks are balanced.
+        All outputs of a token tile are complete in one block: ddA's row sums, column sums and
+        carried term are added in registers, nothing is written twice.
+
+    ``bwd_entry_kernel``  one block per (dentry tile (BLOCK_P, BLOCK_N), chunk, head, batch):
+        the product (w dy)^T @ C over the chunk's token tiles, accumulated in registers.
+
+dB and dC across the heads of a group (deterministic, no atomics)
+    B and C are shared by the heads of a group, so their gradients are sums over those heads. A
+    block loops over HEADS_PER_BLOCK heads of one group in order and sums their contributions in
+    registers. By default (``default_heads_per_block``) a block takes all the heads of its group
+    and writes dB and dC (batch, seqlen, ngroups, dstate) directly; only when that leaves too
+    few blocks to fill the GPU (short sequences, few groups) are the heads split into
+    ``heads_per_group / HEADS_PER_BLOCK`` blocks per group, each writing a partial, which the
+    host adds in a fixed order (one ``sum`` over a small leading axis). Either way the result is
+    bitwise reproducible. (Per-head outputs summed on the host would cost nheads / ngroups times
+    the memory traffic of dB and dC: 80x for a 2.7B layer.)
+
+Ragged and packed sequences
+    Token loads pad with zeros past seqlen (x, dy, B and C of padding tokens are 0, so are their
+    contributions) and stores past it are dropped; a block only walks tiles inside the sequence.
+    ddt and ddA are (batch, nheads, nchunks, CHUNK): the blocks of tiles lying wholly past the
+    end write their zeros. The causal and same-sequence masks are applied to the exponent before
+    exp2 (masked pairs get -inf), as in the forward, and w is 0 for tokens of a sequence that
+    starts inside the chunk.
+
+Sizes
+    headdim and dstate are padded to ``ops.utils.tile_size`` (powers of two, at least 16): the
+    loads pad with zeros and the stores drop the padding. The token kernel holds one head's
+    (headdim, dstate) entry state and the (BLOCK_T, dstate) dB and dC accumulators: fine for the
+    usual 64 x 128 at BLOCK_T = 64; beyond 128 x 128 the default takes BLOCK_T = 32, and the
+    largest sizes (256 x 512) compile but spill (they would want dstate slices).
+
+Precision
+    Every product accumulates in float32. C B^T and dG = dy x^T take the inputs as they are
+    (exact operands). The products with computed operands (G, dCB, w dy) and the entry state
+    take bfloat16 operands for bfloat16 inputs (as the forward's weights), float32 ones for
+    float32 and float16 inputs (a loss-scaled gradient overflows float16's range, as in
+    ``ops/bwd_chunk_states.py``).
+"""
+import torch
+
+import cuda.tile as ct
+
+from .configs import resolve_config, unique, with_hints
+from .launch import Plan, fit_index_width, run
+from .utils import (NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
+                    check_sizes, multiprocessors, new_output, tile_size)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# Helpers called from the kernels (compiled into them).
+
+def token_rows(array, b, tile, h, BLOCK_T, WIDTH):
+    """Token tile ``tile`` (BLOCK_T tokens of the sequence) of head or group h of a (batch,
+    seqlen, heads, width) array: (BLOCK_T, WIDTH), zero-padded past seqlen and width."""
+    t = ct.load(array, (b, tile, h, 0), shape=(1, BLOCK_T, 1, WIDTH), padding_mode=ZERO)
+    return ct.reshape(t, (BLOCK_T, WIDTH))
+
+
+def chunk_tokens(array, b, h, c, i, BLOCK_T):
+    """Tile i (BLOCK_T tokens) of chunk c of head h of a (batch, nheads, nchunks, CHUNK) array."""
+    return ct.reshape(ct.load(array, (b, h, c, i), shape=(1, 1, 1, BLOCK_T)), (BLOCK_T,))
+
+
+def sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX):
+    """The sequence ids of token tile ``tile``: (BLOCK_T,) int32 (0 past seqlen); zeros, unread,
+    without seq_idx."""
+    if HAS_SEQ_IDX:
+        ids = ct.reshape(ct.load(seq_idx, (b, tile), shape=(1, BLOCK_T), padding_mode=ZERO),
+                         (BLOCK_T,))
+    else:
+        ids = ct.zeros((BLOCK_T,), dtype=ct.int32)
+    return ids
+
+
+def carried_weight(dA_rows, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX):
+    """w = exp2(dA) of the rows of token tile ``tile`` of chunk c, 0 for tokens of another
+    sequence than the one running at the chunk's start (that of the previous chunk's last token,
+    0 before token 0)."""
+    w = ct.exp2(dA_rows)
+    if HAS_SEQ_IDX:
+        prev = ct.load(seq_idx, (b, max(c * CHUNK - 1, 0)), shape=())
+        prev = ct.where(c == 0, 0, prev)
+        w = ct.where(sequence_ids(seq_idx, b, tile, BLOCK_T, True) == prev, w, 0.0)
+    return w
+
+
+def decays(dA_rows, dA_cols, row_pos, col_pos, seq_rows, seq_cols, HAS_SEQ_IDX):
+    """M (rows, cols) = exp2(dA[l] - dA[s]) for kept pairs (s <= l, one sequence), else 0. The
+    mask goes on the exponent (-inf), and kept exponents are clamped to <= 0: no overflow."""
+    keep = row_pos[:, None] >= col_pos[None, :]
+    if HAS_SEQ_IDX:
+        keep = keep & (seq_rows[:, None] == seq_cols[None, :])
+    return ct.exp2(ct.where(keep, ct.minimum(dA_rows[:, None] - dA_cols[None, :], 0.0), NEG_INF))
+
+
+def times_transposed(a, b, acc):
+    """acc + a @ b^T (float32 accumulator)."""
+    return ct.mma(a, ct.transpose(b), acc)
+
+
+@ct.kernel
+def bwd_compute_out_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    entry_states: ct.IndexedWithInt64,  # (batch, nchunks, nheads, headdim, dstate)
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dx: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim) float32
+    dB: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
+    dC: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
+    ddt: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32
+    ddA: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32, natural units
+    heads_per_group: int,
+    heads_per_block: int,               # divides heads_per_group; splits = their ratio
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,                  # token tile (rows and columns of the quadratic form)
+    P: ConstInt,                        # headdim and dstate tiles (powers of two, zero-padded)
+    N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    BF16_OPERANDS: ConstBool,           # 16-bit operands for the computed ones (bf16 inputs)
+):
+    splits = heads_per_group // heads_per_block
+    head_blocks = dB.shape[3] * splits
+    hblock = ct.bid(0) % head_blocks
+    tile = ct.bid(0) // head_blocks                  # token tile of the whole (chunked) sequence
+    b = ct.bid(1)
+    g, split = hblock // splits, hblock % splits
+    first_head = g * heads_per_group + split * heads_per_block
+    TILES = CHUNK // BLOCK_T
+    c, t = tile // TILES, tile % TILES               # its chunk, and its place in the chunk
+    seqlen = x.shape[1]
+    valid = min(TILES, ct.cdiv(seqlen - c * CHUNK, BLOCK_T))   # tiles of the chunk in the sequence
+    op = x.dtype if BF16_OPERANDS else ct.float32    # operand dtype of the computed products
+
+    if t >= valid:
+        # Past the end of the sequence: only ddt and ddA (whole chunks) are there, all zero.
+        zero = ct.zeros((1, 1, 1, BLOCK_T), dtype=ct.float32)
+        for k in range(heads_per_block):
+            ct.store(ddt, (b, first_head + k, c, t), zero)
+            ct.store(ddA, (b, first_head + k, c, t), zero)
+    else:
+        pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)    # positions in the chunk
+        c_t = token_rows(C, b, tile, g, BLOCK_T, N)
+        b_t = token_rows(B, b, tile, g, BLOCK_T, N)
+        seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
+        dB_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        dC_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        for k in range(heads_per_block):                # the group's heads, in order
+            h = first_head + k
+            dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+            dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
+            dy_t = token_rows(dy, b, tile, h, BLOCK_T, P)
+            x_t = token_rows(x, b, tile, h, BLOCK_T, P)
+            dy_t_op = dy_t.astype(op)
+
+            # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
+            state = ct.load(entry_states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
+                            padding_mode=ZERO)
+            state = ct.reshape(state, (P, N)).astype(op)
+            dy_state = ct.mma(dy_t_op, state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+            w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+            dC_acc = dC_acc + dy_state * w_t[:, None]
+            grad_dA = w_t * ct.sum(dy_state * c_t.astype(ct.float32), axis=1)
+
+            # Tile t as the source tokens s: the row tiles i >= t of the chunk.
+            dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
+            ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
+            for i in range(t, valid):
+                row_tile = c * TILES + i
+                c_i = token_rows(C, b, row_tile, g, BLOCK_T, N)
+                dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P)
+                dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+                pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+                cb = times_transposed(c_i, b_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                dG = times_transposed(dy_i, x_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
+                dG_m = dG * m
+                ddt_acc = ddt_acc + ct.sum(dG_m * cb, axis=0)
+                dcb = dG_m * dt_t[None, :]                                # d(C B^T)
+                grad_dA = grad_dA - ct.sum(dcb * cb, axis=0)             # column sums of dG G
+                G = cb * m * dt_t[None, :]
+                dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+                dB_acc = ct.mma(ct.transpose(dcb.astype(op)), c_i.astype(op), dB_acc)
+
+            # Tile t as the target tokens l: the column tiles j <= t.
+            for j in range(t + 1):
+                col_tile = c * TILES + j
+                b_j = token_rows(B, b, col_tile, g, BLOCK_T, N)
+                x_j = token_rows(x, b, col_tile, h, BLOCK_T, P)
+                dA_j = chunk_tokens(dA_cumsum, b, h, c, j, BLOCK_T)
+                dt_j = chunk_tokens(dt_out, b, h, c, j, BLOCK_T)
+                pos_j = j * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
+                cb = times_transposed(c_t, b_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                dG = times_transposed(dy_t, x_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                m_dt = decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX) * dt_j[None, :]
+                dcb = dG * m_dt
+                grad_dA = grad_dA + ct.sum(dcb * cb, axis=1)             # row sums of dG G
+                dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
+
+            ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)))
+            ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
+            ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+        ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
+        ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
+
+
+@ct.kernel
+def bwd_entry_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dentry: ct.IndexedWithInt64,        # (batch, nchunks, nheads, headdim, dstate) float32
+    heads_per_group: int,
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,
+    BLOCK_P: ConstInt,
+    BLOCK_N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    BF16_OPERANDS: ConstBool,
+):
+    nheads = dy.shape[2]
+    n_ptiles = ct.cdiv(dy.shape[3], BLOCK_P)
+    n_tiles = n_ptiles * ct.cdiv(C.shape[3], BLOCK_N)
+    state_tile = ct.bid(0) % n_tiles
+    pi, ni = state_tile % n_ptiles, state_tile // n_ptiles
+    h = (ct.bid(0) // n_tiles) % nheads
+    c = ct.bid(0) // (n_tiles * nheads)
+    b = ct.bid(1)
+    g = h // heads_per_group
+    TILES = CHUNK // BLOCK_T
+    valid = min(TILES, ct.cdiv(dy.shape[1] - c * CHUNK, BLOCK_T))
+    op = dy.dtype if BF16_OPERANDS else ct.float32
+    acc = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
+    for t in range(valid):
+        tile = c * TILES + t
+        dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+        w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+        dy_t = ct.reshape(ct.load(dy, (b, tile, h, pi), shape=(1, BLOCK_T, 1, BLOCK_P),
+                                  padding_mode=ZERO), (BLOCK_T, BLOCK_P))
+        c_t = ct.reshape(ct.load(C, (b, tile, g, ni), shape=(1, BLOCK_T, 1, BLOCK_N),
+                                 padding_mode=ZERO), (BLOCK_T, BLOCK_N))
+        w_dy = (dy_t.astype(ct.float32) * w_t[:, None]).astype(op)
+        acc = ct.mma(ct.transpose(w_dy), c_t.astype(op), acc)
+    ct.store(dentry, (b, c, h, pi, ni), ct.reshape(acc, (1, 1, 1, BLOCK_P, BLOCK_N)))
+
+
+# Configs and launching -------------------------------------------------------------------------
+
+def heads_per_block_options(nheads, ngroups):
+    """The divisors of a group's heads: a block never spans two groups."""
+    per_group = nheads // ngroups
+    return [d for d in range(1, per_group + 1) if per_group % d == 0]
+
+
+# The token kernel's block holds many live tiles (the dB, dC and dx accumulators, the tile's B
+# and C, the (BLOCK_T, BLOCK_T) products): at h=80, p=64, n=128, bf16, chunk 256, the compiler's
+# own choice spills 4.3 KB per thread on sm_90 (1.8 KB on sm_100), eight worker warps 0.5 KB
+# (44 bytes), with half the instructions (``python -m ops.tools.sass``; static counts, not yet
+# timed on a GPU).
+WORKER_WARPS = 8
+
+
+def default_block_t(chunk_size, headdim, dstate):
+    """64-token tiles, 32 beyond a 128 x 128 state (the block holds (BLOCK_T, dstate) dB and dC
+    accumulators and a (headdim, dstate) state); never more than the chunk."""
+    big = tile_size(headdim) * tile_size(dstate) > 128 * 128
+    return min(32 if big else 64, chunk_size)
+
+
+def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None):
+    """All the heads of a group (dB and dC written directly) if that gives at least one block
+    per multiprocessor (one block is resident per multiprocessor at the default's 384 threads x
+    168 registers, and blocks are balanced, so a wave is full); else the largest divisor of the
+    group's heads that does (partials summed on the host), or one head per block."""
+    wanted = multiprocessors(device)
+    per_group = nheads // ngroups
+    for hb in sorted(heads_per_block_options(nheads, ngroups), reverse=True):
+        if blocks_per_head_block * ngroups * (per_group // hb) >= wanted:
+            return hb
+    return 1
+
+
+def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
+                   **_):
+    """``default_block_t``'s tiles, ``default_heads_per_block`` (seqlen None: a long sequence,
+    all heads of a group per block), the dentry kernel's tiles of the whole (padded) headdim and
+    up to 128 dstate columns, and eight worker warps for the token kernel (``WORKER_WARPS``)."""
+    bt = default_block_t(chunk_size, headdim, dstate)
+    if seqlen is None:
+        hb = nheads // ngroups
+    else:
+        tiles = cdiv(seqlen, chunk_size) * (chunk_size // bt)
+        hb = default_heads_per_block(nheads=nheads, ngroups=ngroups,
+                                     blocks_per_head_block=batch * tiles)
+    return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
+                ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
+                num_worker_warps=WORKER_WARPS)
+
+
+def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
+    """Variants worth timing (the default first, at most 8): the other token tile (32 or 64),
+    one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
+    group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
+    multiprocessor), and smaller dentry tiles."""
+    base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
+                          ngroups=ngroups, **shape)
+    configs = [base]
+    for bt in (64, 32):
+        if bt <= chunk_size and bt != base["BLOCK_T"]:
+            configs.append({**base, "BLOCK_T": bt})
+    per_group = nheads // ngroups
+    for hb in sorted({1, max(1, per_group // 2), per_group} - {base["HEADS_PER_BLOCK"]}):
+        configs.append({**base, "HEADS_PER_BLOCK": hb})
+    configs += [{**base, "num_worker_warps": None},
+                {**base, "num_worker_warps": None, "occupancy": 2}]
+    configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
+                    "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
+    return unique(configs)
+
+
+def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
+    tensors = dict(dy=dy, x=x, B=B, C=C, dt_out=dt_out, dA_cumsum=dA_cumsum,
+                   entry_states=entry_states)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+    batch, seqlen, nheads, headdim = x.shape
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    for name in ("dy", "B", "C"):
+        if tensors[name].dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {tensors[name].dtype}")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (batch, seqlen):
+        raise ValueError(f"B must be (batch, seqlen, ngroups, dstate) = ({batch}, {seqlen}, ., .), "
+                         f"got shape {tuple(B.shape)}")
+    if C.shape != B.shape:
+        raise ValueError(f"C must have B's shape {tuple(B.shape)}, got {tuple(C.shape)}")
+    ngroups, dstate = B.shape[2], B.shape[3]
+    check_sizes(headdim, dstate)
+    check_groups(nheads, ngroups)
+    if dt_out.dim() != 4 or dt_out.shape[:2] != (batch, nheads):
+        raise ValueError(f"dt_out must be (batch, nheads, nchunks, chunk_size) with batch {batch} "
+                         f"and nheads {nheads}, got shape {tuple(dt_out.shape)}")
+    nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
+    if chunk_size < 16 or chunk_size & (chunk_size - 1) or cdiv(seqlen, chunk_size) != nchunks:
+        raise ValueError(f"dt_out's chunks ({nchunks} of {chunk_size}) must be a power of two "
+                         f">= 16 covering seqlen {seqlen} exactly")
+    for name in ("dt_out", "dA_cumsum"):
+        if tensors[name].dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {tensors[name].dtype}")
+    if dA_cumsum.shape != dt_out.shape:
+        raise ValueError(f"dA_cumsum must have dt_out's shape {tuple(dt_out.shape)}, "
+                         f"got {tuple(dA_cumsum.shape)}")
+    if entry_states.shape != (batch, nchunks, nheads, headdim, dstate):
+        raise ValueError(f"entry_states must be (batch, nchunks, nheads, headdim, dstate) = "
+                         f"{(batch, nchunks, nheads, headdim, dstate)}, got "
+                         f"{tuple(entry_states.shape)}")
+    if entry_states.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"entry_states must be float32 or x's dtype {x.dtype}, got "
+                        f"{entry_states.dtype}")
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point():
+            raise TypeError("seq_idx must be an integer torch.Tensor")
+        if seq_idx.shape != (batch, seqlen):
+            raise ValueError(f"seq_idx must be (batch, seqlen) = ({batch}, {seqlen}), got "
+                             f"{tuple(seq_idx.shape)}")
+    for name, t in {**tensors, "seq_idx": seq_idx}.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
+                         poison=False, config=None):
+    """The launch (an ``ops.launch.Plan``): its ``before`` is the dentry kernel's launch; its
+    outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum
+    and dentry. ``config``: a dict from ``search_space`` (or part of one; missing keys take
+    ``default_config``'s values for this shape)."""
+    _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx)
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
+    cfg = resolve_config(config, default_config(chunk_size=chunk_size, headdim=headdim,
+                                                dstate=dstate, nheads=nheads, ngroups=ngroups,
+                                                batch=batch, seqlen=seqlen))
+    bt, hb = cfg["BLOCK_T"], cfg["HEADS_PER_BLOCK"]
+    if bt not in (16, 32, 64, 128, 256) or bt > chunk_size:
+        raise ValueError(f"BLOCK_T ({bt}) must be a power of two in [16, chunk_size {chunk_size}]")
+    if hb not in heads_per_block_options(nheads, ngroups):
+        raise ValueError(f"HEADS_PER_BLOCK ({hb}) must divide the {nheads // ngroups} heads of "
+                         f"a group")
+    bp, bn = cfg["ENTRY_BLOCK_P"], cfg["ENTRY_BLOCK_N"]
+    for name, v, size in (("ENTRY_BLOCK_P", bp, headdim), ("ENTRY_BLOCK_N", bn, dstate)):
+        if v < 16 or v & (v - 1) or v > tile_size(size):
+            raise ValueError(f"{name} ({v}) must be a power of two in [16, {tile_size(size)}]")
+    splits = (nheads // ngroups) // hb
+    device = x.device
+    dx = new_output(x.shape, torch.float32, device, poison)
+    dB_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
+    dC_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
+    ddt = new_output(dt_out.shape, torch.float32, device, poison)
+    ddA = new_output(dt_out.shape, torch.float32, device, poison)
+    dentry = new_output(entry_states.shape, torch.float32, device, poison)
+    seq_idx = as_int32(seq_idx)
+    seq_arg = seq_idx if seq_idx is not None else dt_out     # never read without seq_idx
+    bf16 = x.dtype == torch.bfloat16
+
+    entry_args = (dy, C, dA_cumsum, seq_arg, dentry, nheads // ngroups, chunk_size, bt, bp, bn,
+                  seq_idx is not None, bf16)
+    entry_plan = Plan((nchunks * nheads * cdiv(headdim, bp) * cdiv(dstate, bn), batch),
+                      fit_index_width(bwd_entry_kernel, entry_args, cfg["INDEX64"]), entry_args,
+                      (dentry,))
+    args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
+            ddA, nheads // ngroups, hb, chunk_size, bt, tile_size(headdim), tile_size(dstate),
+            seq_idx is not None, bf16)
+    kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
+    grid = (nchunks * (chunk_size // bt) * ngroups * splits, batch)
+    return Plan(grid, kernel, args, (dx, dB_parts, dC_parts, ddt, ddA, dentry), (entry_plan,))
+
+
+def bwd_compute_out(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None, poison=False,
+                    config=None):
+    """-> (dx (b, L, h, p), dB and dC (b, L, g, n), summed over each group's heads, ddt_out and
+    ddA_cumsum (b, h, c, l), the latter in natural-log units, dentry (b, c, h, p, n)), all
+    float32, like ``reference.backward.compute_out_backward`` (whose dB and dC are per head: sum
+    them with ``reference.backward._sum_groups``). ``dA_cumsum`` in the kernels' log2 units;
+    ``poison=True`` NaN-fills the outputs first (for tests)."""
+    dx, dB_parts, dC_parts, ddt, ddA, dentry = run(bwd_compute_out_plan(
+        dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx, poison, config))
+    # The head splits' partials, added in a fixed order (one split: the kernel's own sums).
+    dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
+    dC = dC_parts[0] if dC_parts.shape[0] == 1 else dC_parts.sum(0)
+    return dx, dB, dC, ddt, ddA, dentry

@@ -1,0 +1,214 @@
+"""ops/bwd_compute_out.py (the gradients of compute_out) against its specification,
+``reference.backward.compute_out_backward`` in float64, every config of its search space against
+the default, reproducibility, the input checks, and its ahead-of-time compilation.
+
+The kernels take dA_cumsum in log2 units (as the forward kernels store it) and return ddA_cumsum
+in natural-log units, like the reference. The reference's dB and dC are per head; they are
+summed over each group's heads (``_sum_groups``) to compare with the kernel's (b, L, g, n).
+Every output is NaN-poisoned first, so an element the kernels miss fails.
+
+Tolerances, relative in norm:
+  float32 inputs   float32 operands and accumulation: a few ulps per operation, summed over a
+                   chunk's tokens and the dstate / headdim terms: observed <= 1e-6; bound 1e-5.
+  float16 inputs   the same (the products with computed operands take float32 ones; C B^T and
+                   dy x^T take the float16 inputs exactly): bound 1e-5, with dy scaled by 1e3
+                   as under loss scaling.
+  bfloat16 inputs  G, dC B^T, w dy and the entry state are rounded to bf16 (8 significant bits)
+                   as tensor-core operands: dx, dB, dC and dentry observed ~2e-3, bound 1e-2.
+                   ddt and ddA come from the exact-operand products C B^T and dy x^T (and, for
+                   ddA, dy times the entry state, exact when that is bf16 itself): bound 1e-5;
+                   with float32 entry states ddA takes the bf16-rounded state: 1e-2.
+Variants against the default (every config of ``search_space`` at one small shape): float32
+1e-5 (other tile boundaries sum in another order), bfloat16 4e-3 (as in tests/kernel_helpers.py:
+a last-bit difference before a bf16 rounding can move an operand by one step, rarely).
+"""
+import pytest
+import torch
+
+from ops import bwd_compute_out as mod
+from ops.bwd_compute_out import bwd_compute_out, bwd_compute_out_plan
+from reference import chunked
+from reference.backward import _sum_groups, compute_out_backward
+from reference.common import LOG2E
+from reference.problems import make_problem
+from reference.validate import rel_err
+
+from .kernel_helpers import DEVICES
+
+NAMES = ("dx", "dB", "dC", "ddt_out", "ddA_cumsum", "dentry")
+
+
+def problem(dtype, seqlen=77, chunk=32, headdim=16, dstate=32, nheads=4, ngroups=2,
+            seq=(20, 32), entry_dtype=None, dy_scale=1.0, seed=3):
+    """Inputs as the kernels take them (dt_out, dA_cumsum float32, log2; entry states rounded to
+    ``entry_dtype``, x's by default) and the reference's gradients in float64 from those same
+    values."""
+    kw = make_problem(batch=2, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups,
+                      dstate=dstate, dtype=dtype, seed=seed,
+                      seq_boundaries=list(seq) if seq else None)
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"].double(), kw["A"].double(), chunk,
+                                      kw["dt_bias"].double(), True, (0.0, 1.5))
+    dt_out, dA = dt_out.float(), dA.float()
+    entry, _ = chunked.fwd_pass_state(kw["x"].double(), kw["B"].double(), dt_out.double(),
+                                      dA.double(), kw["initial_states"].double(), kw.get("seq_idx"))
+    entry = entry.to(entry_dtype or dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    dy = (torch.randn(kw["x"].shape, generator=g) * dy_scale).to(dtype)
+    inputs = dict(dy=dy, x=kw["x"], B=kw["B"], C=kw["C"], dt_out=dt_out,
+                  dA_cumsum=(dA.double() * LOG2E).float(), entry_states=entry,
+                  seq_idx=kw.get("seq_idx"))
+    f64 = lambda t: t.double()
+    want = list(compute_out_backward(f64(dy), f64(kw["x"]), f64(kw["B"]), f64(kw["C"]),
+                                     f64(dt_out), f64(dA), f64(entry), kw.get("seq_idx")))
+    want[1], want[2] = _sum_groups(want[1], ngroups), _sum_groups(want[2], ngroups)
+    return inputs, want
+
+
+def on(inputs, device):
+    return {k: None if v is None else v.to(device) for k, v in inputs.items()}
+
+
+def tolerance(dtype, name, entry_dtype):
+    if dtype != torch.bfloat16 or name == "ddt_out":
+        return 1e-5
+    if name == "ddA_cumsum" and entry_dtype != torch.float32:
+        return 1e-5
+    return 1e-2
+
+
+# (problem, config): the small shapes' default is one head per block (few blocks), so the cases
+# also take a block of two heads summing in registers, alone (the whole group: dB and dC written
+# directly) and as one of two partials per group; 16-token tiles with two tiles of the last
+# chunk wholly past the sequence (their ddt and ddA written as zeros).
+CASES = [
+    pytest.param(dict(), {}, id="packed-ragged-g2"),
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=2),
+                 id="whole-chunks-g1-two-partials-of-two-heads"),
+    pytest.param(dict(headdim=24, dstate=40, seq=(5, 50)), {}, id="odd-sizes"),
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, ENTRY_BLOCK_N=16),
+                 id="chunk64-tiles16-seq-in-and-at-chunks-whole-group"),
+    pytest.param(dict(seqlen=1, chunk=16), {}, id="L1"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case, config", CASES)
+def test_matches_the_reference(device, dtype, case, config):
+    dy_scale = 1e3 if dtype == torch.float16 else 1.0
+    inputs, want = problem(dtype, dy_scale=dy_scale, **case)
+    got = bwd_compute_out(**on(inputs, device), poison=True, config=config)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert g.dtype == torch.float32 and g.shape == w.shape, name
+        assert rel_err(g, w) < tolerance(dtype, name, dtype), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_float32_entry_states(device, dtype):
+    inputs, want = problem(dtype, entry_dtype=torch.float32)
+    got = bwd_compute_out(**on(inputs, device), poison=True)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert rel_err(g, w) < tolerance(dtype, name, torch.float32), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hb", [1, 2], ids=["head-partials", "whole-group"])
+def test_bitwise_reproducible(device, hb):
+    inputs, _ = problem(torch.bfloat16, seqlen=150, chunk=64)
+    config = dict(BLOCK_T=32, HEADS_PER_BLOCK=hb)
+    first = bwd_compute_out(**on(inputs, device), poison=True, config=config)
+    second = bwd_compute_out(**on(inputs, device), poison=True, config=config)
+    for name, a, b in zip(NAMES, first, second, strict=True):
+        assert torch.equal(a, b), name
+
+
+# Every config of the search space at one small shape, against the default ------------------------
+
+VARIANT = dict(seqlen=150, chunk=64, seq=(10, 64, 100))
+VARIANT_SHAPE = dict(batch=2, seqlen=150, chunk_size=64, headdim=16, dstate=32, nheads=4,
+                     ngroups=2)
+
+
+def variant_cases():
+    default = mod.default_config(**VARIANT_SHAPE)
+    space = mod.search_space(**VARIANT_SHAPE)
+    assert space[0] == default, "the default config comes first in the search space"
+    assert {c["HEADS_PER_BLOCK"] for c in space} == {1, 2}, "both ways of summing dB and dC"
+    label = lambda c: "-".join(f"{k}={v}" for k, v in c.items() if default[k] != v) or "default"
+    return [pytest.param(name, cfg, id=f"{name}-{label(cfg)}") for name in ("fp32", "bf16")
+            for cfg in space[1:]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_name, config", variant_cases())
+def test_variant_matches_the_default(device, dtype_name, config):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    inputs, _ = problem(dtype, **VARIANT)
+    inputs = on(inputs, device)
+    want = bwd_compute_out(**inputs, poison=True)
+    got = bwd_compute_out(**inputs, poison=True, config=config)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert rel_err(g, w) < (1e-5 if dtype == torch.float32 else 4e-3), name
+
+
+# Input checks ------------------------------------------------------------------------------------
+
+def test_refuses_bad_inputs():
+    inputs, _ = problem(torch.float32, seqlen=40)
+    bad = [
+        (dict(dy=inputs["dy"].to(torch.bfloat16)), TypeError, "dy"),
+        (dict(B=inputs["B"].double()), TypeError, "B"),
+        (dict(x=inputs["x"].double(), dy=inputs["dy"].double(), B=inputs["B"].double(),
+              C=inputs["C"].double()), TypeError, "x"),
+        (dict(C=inputs["C"][:, :, :1]), ValueError, "C"),
+        (dict(dt_out=inputs["dt_out"].double()), TypeError, "dt_out"),
+        (dict(dA_cumsum=inputs["dA_cumsum"][..., :16]), ValueError, "dA_cumsum"),
+        (dict(entry_states=inputs["entry_states"][:, :1]), ValueError, "entry_states"),
+        (dict(entry_states=inputs["entry_states"].half()), TypeError, "entry_states"),
+        (dict(seq_idx=inputs["seq_idx"][:, :5]), ValueError, "seq_idx"),
+        (dict(x=inputs["x"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "x"),
+    ]
+    for change, error, name in bad:
+        with pytest.raises(error, match=name):
+            bwd_compute_out_plan(**{**inputs, **change})
+    with pytest.raises(ValueError, match="HEADS_PER_BLOCK"):
+        bwd_compute_out_plan(**inputs, config=dict(HEADS_PER_BLOCK=3))
+    with pytest.raises(ValueError, match="BLOCK_T"):
+        bwd_compute_out_plan(**inputs, config=dict(BLOCK_T=64))     # more than the chunk (32)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        bwd_compute_out_plan(**inputs, config=dict(BLOCK_M=32))
+
+
+# Ahead-of-time compilation (both kernels) ------------------------------------------------------
+
+def meta(*shape, dt=torch.float32):
+    return torch.empty(shape, dtype=dt, device="meta")
+
+
+def meta_plan(headdim=64, dstate=128, dtype=torch.bfloat16, seqlen=16384, nheads=80, ngroups=1,
+              chunk=256, seq=True, config=None):
+    """The launch at a Mamba-2 layer of a ~2.7B model (by default), on meta tensors."""
+    nchunks = -(-seqlen // chunk)
+    x = meta(1, seqlen, nheads, headdim, dt=dtype)
+    B = meta(1, seqlen, ngroups, dstate, dt=dtype)
+    return bwd_compute_out_plan(x, x, B, B, meta(1, nheads, nchunks, chunk),
+                                meta(1, nheads, nchunks, chunk),
+                                meta(1, nchunks, nheads, headdim, dstate, dt=dtype),
+                                meta(1, seqlen, dt=torch.int32) if seq else None, config=config)
+
+
+COMPILE = [pytest.param(dict(), arch, id=f"layer-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
+COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=False, ngroups=2,
+                              config=dict(HEADS_PER_BLOCK=1)), "sm_90", id="odd-fp16-heads1-sm_90"),
+            pytest.param(dict(config=dict(INDEX64=True)), "sm_90", id="layer-int64-sm_90")]
+
+
+@pytest.mark.parametrize("shape, arch", COMPILE)
+def test_compiles(shape, arch):
+    from ops.tools.aot import compile_cubin
+    plan = meta_plan(**shape)
+    for step in plan.before + (plan,):
+        assert compile_cubin(step.kernel, step.args, arch)[:4] == b"\x7fELF"
