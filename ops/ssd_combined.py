@@ -12,8 +12,8 @@ the backends; traced, through a PyTorch custom operator (``ops.torch_op``), so t
                  headdim in [1, 256], dstate in [1, 512]), else "reference"
 
 Gradients: the kernel backends' forward is differentiable through the custom operator, whose
-backward runs the chunked algorithm's backward in PyTorch (reference/backward.py) until it runs
-as cuTile kernels; the reference backend is differentiated by autograd itself.
+backward runs the backward kernels (ops/backward.py); the reference backend is differentiated by
+autograd itself.
 """
 import functools
 

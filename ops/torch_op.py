@@ -151,11 +151,13 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chu
             x.new_empty((nseq, h, p, n), dtype=sdt))
 
 
-# Autograd: the backward pass in PyTorch -------------------------------------------------------
+# Autograd ---------------------------------------------------------------------------------------
 #
-# Until the backward runs as cuTile kernels, the operator's gradients come from the chunked
-# algorithm's backward in plain PyTorch (reference/backward.py: recomputes the forward's
-# intermediates in float32, or float64 for float64 inputs). The forward stays the kernels'.
+# The kernel backends' gradients come from the backward kernels (ops/backward.py: they recompute
+# the forward's intermediates with the forward kernels, from the saved inputs), through their own
+# opaque operator so that torch.compile traces this backward too. The reference backend's
+# operator (traced or not) differentiates the chunked algorithm in plain PyTorch
+# (reference/backward.py, float32, or float64 for float64 inputs).
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(*inputs)
@@ -163,18 +165,32 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
 
 
 def _backward(ctx, dout, dfinal, dvarlen):
-    from reference.backward import ssd_chunked_backward
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     o = ctx.options
     # (varlen states with a gradient are refused before the forward: ops.ssd_combined)
-    seq_idx = check_values(x, seq_idx, cu_seqlens, check=False)
-    g = ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, o["chunk_size"], D=D, z=z,
-                             dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
-                             dt_softplus=o["dt_softplus"], dt_limit=(o["dt_min"], o["dt_max"]))
-    cast = lambda name, t: None if t is None else g["d" + name].to(t.dtype)
-    return (cast("x", x), cast("dt", dt), cast("A", A), cast("B", B), cast("C", C), cast("D", D),
-            cast("z", z), cast("dt_bias", dt_bias), cast("initial_states", initial_states),
-            None, None)
+    wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad)]
+    if o["backend"] == "reference":
+        from reference.backward import ssd_chunked_backward
+        seq_idx = check_values(x, seq_idx, cu_seqlens, check=False)
+        g = ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, o["chunk_size"], D=D, z=z,
+                                 dt_bias=dt_bias, initial_states=initial_states,
+                                 seq_idx=seq_idx, dt_softplus=o["dt_softplus"],
+                                 dt_limit=(o["dt_min"], o["dt_max"]))
+        grads = [g.get("d" + name) for name in _GRAD_NAMES]
+    else:
+        from .backward import backward_op
+        # The operator takes the inputs as saved and prepares them as the forward does
+        # (as_kernel_input, seq_idx from cu_seqlens, int32).
+        grads = backward_op(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
+                            cu_seqlens, chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"],
+                            dt_min=o["dt_min"], dt_max=o["dt_max"],
+                            state_dtype=o["state_dtype"], wanted=wanted)
+    return tuple(g.to(t.dtype) if want else None
+                 for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
+
+
+_GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
 ssd_forward.register_autograd(_backward, setup_context=_setup_context)

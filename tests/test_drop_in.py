@@ -96,7 +96,7 @@ def _grads(fn, kw, dtype):
 
 def test_kernel_backends_give_the_recurrences_gradients():
     """The kernels' forward, differentiated through the custom operator's registered backward
-    (reference/backward.py in float32): every input's gradient against autograd through the
+    (the backward kernels, ops/backward.py): every input's gradient against autograd through the
     float64 recurrence (2e-5, float32's tolerance of the forward)."""
     kw = problem(torch.float32, seq_boundaries=[40])
     ours = _grads(lambda i: mamba_chunk_scan_combined(**i, chunk_size=32, **OPTIONS,

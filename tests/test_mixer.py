@@ -2,7 +2,7 @@
 
 CPU (CI): the kernels through the interpreter against the reference backend in one mixer with
 the same weights, torch.compile without graph breaks, a training step through the reference
-backend and through the kernels (their forward, with the operator's PyTorch backward). GPU: the same
+backend and through the kernels (forward and backward kernels). GPU: the same
 mixer with this project's scan against mamba_ssm's Triton scan, eagerly, compiled and replayed
 from a CUDA graph.
 """
@@ -51,7 +51,7 @@ def test_a_training_step_through_the_reference_backend():
 
 
 def test_a_training_step_through_the_kernels():
-    """The kernels' forward with the operator's PyTorch backward: the same parameter gradients
+    """The kernels' forward and backward: the same parameter gradients
     as the reference backend's layer (float32; summation order only, 1e-4)."""
     u = inputs()
     grads = {}

@@ -1,0 +1,222 @@
+"""The backward pass through the backward kernels (ops/backward.py), as autograd reaches it:
+``loss.backward()`` through ``mamba_chunk_scan_combined`` with backend="interpret" (CPU) or
+"cutile" (``gpu`` marker).
+
+Expected gradients come from autograd through the float64 token-by-token recurrence
+(``reference.sequential.ssd_sequential``), never from the code under test. Every test spies on the
+launches (``ops.launch.launch``) and disables the PyTorch backward (``ssd_chunked_backward``
+raises), so a gradient can only come from the kernels; outputs are NaN-poisoned first
+(``ops.forward.POISON_OUTPUTS``), so an element a kernel misses fails.
+
+The loss weights the output with fixed random weights and adds the final state's square sum, so
+both output gradients (dout, dfinal) are non-zero.
+
+Tolerances, relative in norm:
+  float32 inputs   float32 kernels (forward recompute and backward) against float64: observed
+                   <= 2.5e-6 (dA and ddt_bias, sums over every token; ~3e-7 elsewhere); bound
+                   2e-5, float32's tolerance of the forward (tests/test_api.py).
+  bfloat16 inputs  x, B, C, z in bf16 (dt, A, D, dt_bias, initial states float32), against float64
+                   autograd at the same (bf16-valued) inputs: the forward and backward products
+                   take bf16 operands (8 significant bits), the entry states are stored in bf16,
+                   dy is rounded to bf16 for the kernels, and the gradients of bf16 inputs are
+                   returned in bf16; observed <= 4e-3; bound 1e-2, the forward's bf16 bound.
+  bf16 states      float32 inputs, entry states stored in bf16 (state_dtype): the forward's own
+                   rounding of the states, seen by dC and dz: observed 3e-4; bound 1e-3.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ops.forward
+import ops.launch
+import reference.backward
+from ops import mamba_chunk_scan_combined
+from ops.cutile_internals import kernel_function
+from reference.problems import make_problem
+from reference.sequential import ssd_sequential
+from reference.validate import rel_err
+
+LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+# dt_limit clamps ~10% of the processed steps from below and ~9% from above at these inputs.
+OPTIONS = dict(dt_softplus=True, dt_limit=(0.2, 0.9))
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+BACKWARD_KERNELS = {"bwd_compute_out_kernel", "bwd_entry_kernel", "bwd_pass_state_kernel",
+                    "bwd_chunk_states_kernel", "bwd_chunk_cumsum_kernel"}
+FORWARD_KERNELS = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the kernels launched during a test; the PyTorch backward disabled; every
+    kernel output NaN-filled before it is written."""
+    names = []
+    real = ops.launch.launch
+
+    def spy(grid, kernel, args, stream=None):
+        names.append(kernel_function(kernel).__name__)
+        return real(grid, kernel, args, stream)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch backward ran instead of the kernels")
+
+    monkeypatch.setattr(ops.launch, "launch", spy)
+    monkeypatch.setattr(reference.backward, "ssd_chunked_backward", refuse)
+    monkeypatch.setattr(ops.forward, "POISON_OUTPUTS", True)
+    return names
+
+
+def problem(dtype=torch.float32, batch=2, seqlen=80, D="2d", seq=None, device="cpu", **kw):
+    return make_problem(**{**dict(batch=batch, seqlen=seqlen, nheads=4, headdim=16, ngroups=2,
+                                  dstate=16, D=D, seed=1, seq_boundaries=seq), **kw},
+                        dtype=dtype, device=device)
+
+
+def weights(kw):
+    return torch.randn(kw["x"].shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(3)).to(kw["x"].device)
+
+
+def gradients(fn, kw, leaves=LEAVES, loss="both"):
+    """Gradients of a loss of (out, final_states) for the inputs named in ``leaves``: "both"
+    weights out with fixed random weights and adds final's square sum; "sum" is out.sum() (its
+    gradient an expanded tensor of ones); "final" reads only the final state (out unused)."""
+    inputs = {k: (v.detach().clone().requires_grad_(k in leaves) if v.is_floating_point() else v)
+              for k, v in kw.items()}
+    out, final = fn(inputs)
+    value = {"both": (out * weights(kw).to(out.dtype)).sum() + final.square().sum(),
+             "sum": out.sum(), "final": final.square().sum()}[loss]
+    value.backward()
+    return {k: inputs[k].grad for k in leaves}
+
+
+def kernels(backend="interpret", **extra):
+    return lambda i: mamba_chunk_scan_combined(**i, chunk_size=32, **OPTIONS, **extra,
+                                               return_final_states=True, backend=backend)
+
+
+def recurrence(i):
+    return ssd_sequential(**i, **OPTIONS, return_final_states=True)
+
+
+def float64(kw):
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def assert_close(ours, expected, inputs, tol):
+    for name, g in ours.items():
+        assert g is not None and g.dtype == inputs[name].dtype, name
+        if expected[name] is None:           # the loss does not reach it (D, z without out)
+            assert not g.any(), name
+        else:
+            assert rel_err(g, expected[name]) < tol, (name, rel_err(g, expected[name]))
+
+
+# float32 ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("D, seq", [("1d", None), ("2d", [20, 64])],
+                         ids=["D-1d", "D-2d-packed-at-and-inside-chunks"])
+def test_every_gradient_equals_the_recurrences(launched, D, seq):
+    kw = problem(D=D, seq=seq)
+    ours = gradients(kernels(), kw)
+    assert BACKWARD_KERNELS <= set(launched)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, TOL[torch.float32])
+    # Where the clamp bound the processed step, dt and dt_bias get nothing through it (a margin
+    # keeps float32's and float64's rounding on one side of the bound).
+    soft = F.softplus(kw["dt"].double() + kw["dt_bias"].double())
+    lo, hi = OPTIONS["dt_limit"]
+    clamped = (soft < lo - 1e-4) | (soft > hi + 1e-4)
+    assert clamped.float().mean() > 0.1
+    inside = (soft > lo + 1e-4) & (soft < hi - 1e-4)
+    assert (ours["dt"][clamped] == 0).all() and (ours["dt"][inside] != 0).all()
+
+
+def test_bitwise_reproducible(launched):
+    kw = problem(seq=[20, 64])
+    first = gradients(kernels(), kw)
+    second = gradients(kernels(), kw)
+    for name in LEAVES:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_cu_seqlens_gives_seq_idx_gradients(launched):
+    """cu_seqlens alone (the backward derives seq_idx from it, as the forward does) gives the
+    gradients of the same packing given as seq_idx, bitwise, and the recurrence's."""
+    kw = problem(batch=1, seq=[20, 64])
+    seq_idx = kw.pop("seq_idx")
+    with_ids = gradients(kernels(seq_idx=seq_idx), kw)
+    bounds = torch.tensor([0, 20, 64, 80], dtype=torch.int32)
+    with_bounds = gradients(kernels(cu_seqlens=bounds), kw)
+    for name in LEAVES:
+        assert torch.equal(with_ids[name], with_bounds[name]), name
+    expected = gradients(lambda i: recurrence({**i, "seq_idx": seq_idx}), float64(kw))
+    assert_close(with_bounds, expected, kw, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("loss", ["sum", "final"], ids=["expanded-dout", "out-unused"])
+def test_either_output_alone(launched, loss):
+    """out.sum() (autograd passes an expanded tensor of ones as dout) and a loss of the final
+    state alone (dout materialised as zeros; D and z get zero gradients, where autograd through
+    the recurrence gives none)."""
+    kw = problem(seq=[20, 64])
+    ours = gradients(kernels(), kw, loss=loss)
+    expected = gradients(recurrence, float64(kw), loss=loss)
+    assert_close(ours, expected, kw, TOL[torch.float32])
+
+
+def test_only_the_wanted_gradients_are_computed(launched):
+    """D and z alone: their gradients, and no backward kernel; D alone needs no kernel at all
+    beyond the forward's own launches (dD reads dout, z and x only)."""
+    kw = problem(seq=[20, 64])
+    ours = gradients(kernels(), kw, leaves=("D", "z"))
+    assert not BACKWARD_KERNELS & set(launched)
+    expected = gradients(recurrence, float64(kw), leaves=("D", "z"))
+    assert_close(ours, expected, kw, TOL[torch.float32])
+    D = kw["D"].clone().requires_grad_(True)
+    out, final = kernels()({**kw, "D": D})
+    forward_launches = len(launched)
+    ((out * weights(kw)).sum() + final.square().sum()).backward()
+    assert len(launched) == forward_launches
+    assert rel_err(D.grad, expected["D"]) < TOL[torch.float32]
+
+
+# bfloat16 -----------------------------------------------------------------------------------------
+
+def test_bfloat16_inputs(launched):
+    kw = problem(torch.bfloat16, seq=[20, 64])
+    ours = gradients(kernels(), kw)
+    assert BACKWARD_KERNELS <= set(launched)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, TOL[torch.bfloat16])
+
+
+def test_bfloat16_entry_states_of_float32_inputs(launched):
+    """The stored states (bf16) are widened exactly to float32 for the backward kernels, which
+    take float32 states with float32 inputs."""
+    kw = problem(seq=[20, 64])
+    ours = gradients(kernels(state_dtype=torch.bfloat16), kw)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, 1e-3)
+
+
+# GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_gpu(launched, dtype):
+    """The same through the compiled kernels: batch 2 x 512 tokens (three packed sequences,
+    one boundary inside a chunk), 8 heads of 64 x 64, chunk 256 (Mamba-2's own), against
+    autograd through the float64 recurrence on the GPU. Bounds twice the CPU ones' margin
+    (float32 1e-4, bf16 2e-2): the sums run over 256-token chunks and 64-wide states, eight
+    times the CPU shapes' chunk."""
+    kw = problem(dtype, batch=2, seqlen=512, nheads=8, headdim=64, dstate=64, seq=[100, 256],
+                 device="cuda")
+    fn = lambda i: mamba_chunk_scan_combined(**i, chunk_size=256, **OPTIONS,
+                                             return_final_states=True, backend="cutile")
+    ours = gradients(fn, kw)
+    assert BACKWARD_KERNELS <= set(launched)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, 1e-4 if dtype == torch.float32 else 2e-2)
+    again = gradients(fn, kw)
+    for name in LEAVES:
+        assert torch.equal(ours[name], again[name]), name
