@@ -131,12 +131,18 @@ class Plan(NamedTuple):
     before: tuple = ()
 
 
+# While a call is recorded for replay (``ops.replay.Recording``), the plans ``run`` launches, in order.
+RECORDER = None
+
+
 def run(plan, stream=None):
     """Launch ``plan`` (after the launches it needs); returns its outputs. ``stream``: see
     ``launch``."""
     for step in plan.before:
         run(step, stream)
     launch(plan.grid, plan.kernel, plan.args, stream)
+    if RECORDER is not None:
+        RECORDER.append(plan)
     return plan.outputs
 
 
@@ -202,11 +208,8 @@ class PlanTemplate:
 def tensor_key(values):
     """What a plan depends on in ``values`` (tensors and others): each tensor's shape, dtype,
     strides and device, which tensors are the same object, and every other value as it is."""
-    first = {}
-    key = []
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            key.append((tuple(v.shape), v.dtype, v.stride(), v.device, first.setdefault(id(v), i)))
-        else:
-            key.append(v)
-    return tuple(key)
+    # Called on every eager call: torch.Size is already a hashable tuple, and the first
+    # position of each object tells aliasing apart without a dict.
+    ids = [id(v) for v in values]
+    return tuple((v.shape, v.dtype, v.stride(), v.device, ids.index(ids[i]))
+                 if isinstance(v, torch.Tensor) else v for i, v in enumerate(values))

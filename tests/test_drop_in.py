@@ -375,6 +375,33 @@ def test_cuda_graph_replay_equals_eager():
 
 
 @pytest.mark.gpu
+def test_replayed_calls_on_gpu_equal_fresh_ones(monkeypatch):
+    from ops import replay
+    runs = _replayed_runs(monkeypatch)
+    kw = gpu_problem(seq_boundaries=[40])
+    kw["seq_idx"] = kw["seq_idx"].to(torch.int32)
+    others = [{k: (v * scale if k in ("x", "B") else v) for k, v in kw.items()}
+              for scale in (0.5, -1.0, 2.0)]
+    call = lambda kw: mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS,
+                                                return_final_states=True, backend="cutile")
+    with torch.no_grad():
+        call(kw), call(kw)
+        # back to back, no synchronisation: each call's intermediates are the kept buffers the
+        # next call overwrites (ops.replay keeps them per stream)
+        replayed = [call(o) for o in others]
+        assert len(runs) >= 3
+        replay._REPLAYS.clear()
+        monkeypatch.setattr(replay.Replay, "run", lambda self, inputs: pytest.fail("replayed"))
+        fresh = []
+        for o in others:
+            replay._REPLAYS.clear()                # each planned and launched afresh
+            fresh.append(call(o))
+    torch.cuda.synchronize()
+    for r, f in zip(replayed, fresh, strict=True):
+        assert torch.equal(r[0], f[0]) and torch.equal(r[1], f[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("with_seq_idx", [True, False], ids=["seq_idx", "cu_seqlens-only"])
 def test_varlen_states_on_gpu(with_seq_idx):
     kw = gpu_problem(torch.float32)
@@ -445,6 +472,125 @@ def test_a_plan_holding_a_computed_tensor_is_never_reused():
     assert not template.usable
     bound = PlanTemplate(Plan((1,), None, (x, out, 3), (out,)), (x,)).bind((torch.zeros(4),))
     assert bound.args[0].sum() == 0 and bound.args[1] is bound.outputs[0] and bound.args[2] == 3
+
+
+# Host time: eager calls replayed ---------------------------------------------------------------
+
+def _replayed_runs(monkeypatch):
+    """Count the calls that ``ops.replay`` replays (the wrapped ``Replay.run``)."""
+    from ops import replay
+    runs = []
+    original = replay.Replay.run
+    monkeypatch.setattr(replay.Replay, "run", lambda self, inputs: runs.append(1) or original(self, inputs))
+    return runs
+
+
+def _run(kw, **options):
+    return mamba_chunk_scan_combined(**kw, chunk_size=32, **{**OPTIONS, **options},
+                                     return_final_states=True, backend="interpret")
+
+
+def test_an_eager_call_like_an_earlier_one_is_replayed_exactly(monkeypatch):
+    from ops import replay
+    runs = _replayed_runs(monkeypatch)
+    first = problem(torch.float32, seq_boundaries=[40])
+    second = {k: (v + 0.25 if v.is_floating_point() and k != "A" else v) for k, v in first.items()}
+    _run(first), _run(first)                       # the second is recorded (or replayed)
+    replay._REPLAYS.clear()
+    runs.clear()
+    recorded = _run(first)
+    assert not runs                                # recorded, not replayed
+    out1 = _run(first)
+    out2 = _run(second)
+    assert len(runs) == 2
+    kept = out1[0].clone()
+    replay._REPLAYS.clear()
+    monkeypatch.setattr(replay.Replay, "run", lambda self, inputs: pytest.fail("replayed"))
+    expected2 = _run(second)                       # planned and launched afresh
+    for a, b in zip(recorded + out2, out1 + expected2, strict=True):
+        assert torch.equal(a, b)
+    assert out1[0].data_ptr() != out2[0].data_ptr() and torch.equal(out1[0], kept)
+
+
+def test_a_replayed_call_still_checks_seq_idx(monkeypatch):
+    runs = _replayed_runs(monkeypatch)
+    kw = problem(torch.float32, seq_boundaries=[40])
+    kw["seq_idx"] = kw["seq_idx"].to(torch.int32)  # int32: used as it is, so replayable
+    _run(kw), _run(kw), _run(kw)
+    assert runs
+    bad = dict(kw, seq_idx=kw["seq_idx"].flip(1).contiguous())
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _run(bad)
+
+
+@pytest.mark.parametrize("change", ["dtype", "strides", "option", "chunk type", "int64 seq_idx",
+                                    "poisoned", "search"])
+def test_calls_that_differ_or_cannot_be_replayed_are_run_afresh(monkeypatch, change):
+    from ops import forward, replay
+    kw = problem(torch.float32, seq_boundaries=[40])
+    kw["seq_idx"] = kw["seq_idx"].to(torch.int32)
+    _run(kw), _run(kw)                             # recorded
+    runs = _replayed_runs(monkeypatch)
+    options = {}
+    if change == "dtype":
+        kw = {k: (v.to(torch.float16) if k in ("x", "B", "C", "z") else v) for k, v in kw.items()}
+    elif change == "strides":
+        kw["x"] = kw["x"].transpose(1, 2).contiguous().transpose(1, 2)
+    elif change == "option":
+        options = dict(dt_softplus=False)
+    elif change == "chunk type":
+        with pytest.raises(TypeError, match="chunk_size must be an int"):
+            mamba_chunk_scan_combined(**kw, chunk_size=32.0, **OPTIONS, backend="interpret")
+        assert not runs
+        return
+    elif change == "int64 seq_idx":               # converted each call: never recorded
+        kw["seq_idx"] = kw["seq_idx"].long()
+    elif change == "poisoned":
+        monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
+    elif change == "search":
+        monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "1")
+    if change in ("int64 seq_idx", "poisoned", "search"):
+        replay._REPLAYS.clear()
+    expected = ssd_sequential(**f64(kw), **{**OPTIONS, **options}, return_final_states=True)
+    for _ in range(3):
+        out = _run(kw, **options)
+        assert rel_err(out[0], expected[0]) < (4e-3 if change == "dtype" else TOL[torch.float32])
+    assert bool(runs) == (change in ("dtype", "strides", "option"))   # new keys: recorded, then replayed
+    if change in ("int64 seq_idx", "poisoned", "search"):
+        assert not replay._REPLAYS
+
+
+def test_a_batch_one_slice_is_restrided_in_each_replay(monkeypatch):
+    """x[:, -64:] of a longer batch-1 tensor keeps the parent's stride in its size-1 batch
+    dimension; the kernels get it restrided (as_kernel_input), and so does every replay."""
+    from ops import replay
+    runs = _replayed_runs(monkeypatch)
+    long = [problem(torch.float32, seqlen=100) for _ in range(2)]
+    long[1] = {k: (v * 0.5 if k in ("x", "C") else v) for k, v in long[0].items()}
+    sliced = [{k: (v[:, -64:] if v.dim() == 4 else v) for k, v in kw.items()}
+              for kw in long]
+    sliced = [dict(kw, dt=kw["dt"][:, -64:]) for kw in sliced]
+    x = sliced[0]["x"]
+    assert x.is_contiguous() and x.stride(0) == 100 * x.stride(1) != x.numel()
+    _run(sliced[0]), _run(sliced[0])
+    runs.clear()
+    replayed = _run(sliced[1])
+    assert runs and any(r.restrided for r in replay._REPLAYS.values())
+    replay._REPLAYS.clear()
+    monkeypatch.setattr(replay.Replay, "run", lambda self, inputs: pytest.fail("replayed"))
+    fresh = _run({k: v.clone() for k, v in sliced[1].items()})
+    for a, b in zip(replayed, fresh, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_call_that_needs_a_gradient_is_not_replayed(monkeypatch):
+    runs = _replayed_runs(monkeypatch)
+    kw = problem(torch.float32)
+    _run(kw), _run(kw)
+    runs.clear()
+    kw = dict(kw, x=kw["x"].clone().requires_grad_())
+    out, _ = _run(kw)
+    assert out.grad_fn is not None and not runs
 
 
 # Any size -----------------------------------------------------------------------------------------

@@ -6,9 +6,12 @@ At small shapes a forward pass is a few tens of microseconds of GPU work, so an 
 what its Python does: the checks, the config lookup, building three plans and launching them.
 Measured here, each as the median over many calls after warm-up (the GPU work is queued, not
 waited for, except where said):
-  * eager: ``mamba_chunk_scan_combined`` called back to back (per call, synchronised every 50);
+  * eager: ``mamba_chunk_scan_combined`` called back to back (per call, synchronised every 50),
+    replayed (``ops/replay.py``: the launches of the first call re-made with the new tensors), and
+    with the replay switched off (checks, configs, plans, launches every time);
   * graph: the same call captured once in a CUDA graph and replayed;
-  * launch: one ``ct.launch`` of a tiny kernel, the floor of any launch;
+  * launch: one ``ct.launch`` of a tiny kernel, the floor of any launch, and the forward's own
+    launches alone with their arguments bound once;
   * the parts of an eager call: the entry point's checks, the custom op's dispatch, and
     ``kernel_forward`` alone.
 """
@@ -56,7 +59,15 @@ def main(argv=None):
     call = lambda: mamba_chunk_scan_combined(**kw, chunk_size=q, dt_softplus=True, backend="cutile")
     rows = {}
     with torch.no_grad():
-        rows["eager call"] = per_call(call)
+        rows["eager call"] = per_call(call)           # replayed (ops/replay.py) after the first
+        from ops import replay
+        recorded = next(iter(replay._REPLAYS.values()))
+        original = replay.lookup
+        replay.lookup = lambda key, stamp: None
+        try:
+            rows["eager call, not replayed"] = per_call(call)
+        finally:
+            replay.lookup = original
         graph, captured = capture_graph(call)
         eager = call()
         graph.replay()
@@ -68,6 +79,17 @@ def main(argv=None):
         stream = torch.cuda.current_stream()
         rows["one ct.launch (vector_add, 8 blocks)"] = per_call(
             lambda: ct.launch(stream, (8,), vector_add, (a, a, c, 128)))
+        # The replay's launches alone, arguments bound once: the floor of an eager call.
+        inputs = [kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], kw["D"], None, kw["dt_bias"], None, None]
+        buffers = [torch.empty(s, dtype=d, device=v) for s, d, v in recorded.returned + recorded.internal]
+        views = [inputs[j].as_strided(shape, st) for j, shape, st in recorded.restrided]
+        slots = inputs + buffers + views + list(recorded.values)
+        bound = [(grid, kernel, tuple(slots[i] for i in index)) for grid, kernel, index in recorded.launches]
+
+        def launches():
+            for grid, kernel, args in bound:
+                ct.launch(stream, grid, kernel, args)
+        rows[f"its {len(bound)} ct.launch calls alone"] = per_call(launches)
         rows["entry-point checks"] = per_call(lambda: _check_inputs(
             kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], q, kw["D"], None, kw["dt_bias"], None,
             None, None, (0.0, float("inf")), False, None))
