@@ -10,7 +10,8 @@ so it never runs unasked. By default a kernel on a GPU takes, in this order:
   2. the committed table (``tuned_configs.json``, searched on an NVIDIA H200 at the benchmark's
      grid and at model shapes): the entry for this shape, else the nearest tuned shape of the
      same GPU, chunk, dtype and head and state tiles (by the amount of work), if its config is
-     valid here;
+     valid here, with the knobs that are slow to compile and gain little away from their own
+     shape left off (``COSTLY_TO_COMPILE``);
   3. the kernel's default config.
 
 Environment:
@@ -318,8 +319,25 @@ class Table:
 
         for entry in sorted(mine, key=distance):
             if entry["config"] in candidates:
-                return entry["config"]
+                config = entry["config"]
+                if entry["shape"] != want:                # the nearest tuned shape's, not ours
+                    config = _cheap_to_compile(config, candidates)
+                return config
         return None
+
+
+# Knobs whose variants take much longer to compile, and the value that does not: persistent
+# blocks double compute_out's compile time (22 s against 9 s on the H200's host, which makes
+# most of a first call) for 0.4-3% at the shapes they were tuned at, where their grid was sized
+# for the work. A config borrowed from a nearby shape leaves them off.
+COSTLY_TO_COMPILE = {"PERSISTENT": False}
+
+
+def _cheap_to_compile(config, candidates):
+    """``config`` with the ``COSTLY_TO_COMPILE`` knobs at their cheap values, if that config is a
+    candidate, else ``config`` itself."""
+    cheap = {**config, **{k: v for k, v in COSTLY_TO_COMPILE.items() if k in config}}
+    return cheap if cheap in candidates else config
 
 
 _TABLE = None

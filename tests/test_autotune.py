@@ -222,6 +222,17 @@ def test_table_takes_the_shape_else_the_nearest_valid_one():
     assert t.choose("compute_out", "Third GPU", shape, CONFIGS) is None
 
 
+def test_a_borrowed_config_leaves_persistent_blocks_off():
+    persistent = {"BLOCK_M": 64, "PERSISTENT": True}
+    plain = {"BLOCK_M": 64, "PERSISTENT": False}
+    t = Table([_entry(persistent)])
+    shape = {**TABLE_SHAPE, "space": "whatever"}
+    assert t.choose("compute_out", "Test GPU", shape, [persistent, plain]) == persistent   # its own
+    nearby = {**shape, "seqlen": "32768"}
+    assert t.choose("compute_out", "Test GPU", nearby, [persistent, plain]) == plain
+    assert t.choose("compute_out", "Test GPU", nearby, [persistent]) == persistent  # no cheap twin
+
+
 def test_lookup_prefers_an_earlier_search_then_the_table_then_the_default(tmp_path, monkeypatch):
     import ops.autotune as autotune
     monkeypatch.setattr(autotune, "_TABLE", Table([_entry(CONFIGS[1])]))
