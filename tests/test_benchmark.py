@@ -380,7 +380,7 @@ def test_warm_compile_covers_every_search_space_config():
     import torch
     from ops.forward import KERNELS
     from tests.benchmark import warm_compile
-    args = argparse.Namespace(dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
+    args = argparse.Namespace(batch=1, dstates=[64, 256], seqlens=[1024, 16384], nheads=80, headdim=64,
                               ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=2,
                               kernels=list(KERNELS))
     tasks = warm_compile._tasks(args)
@@ -436,6 +436,31 @@ def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
     assert all(getattr(fake, n) is f for n, f in originals.items())
     warm_compile._tilegym_forward(inp, 4, part=4, nparts=5)       # an empty slice: the first config
     assert seen["out"] == [0] and seen["state"] == [4]
+
+
+def test_warm_compile_takes_the_batch_and_models_warm_every_model():
+    """--batch reaches the search spaces (fwd_pass_state's depends on it); models.py --warm asks for
+    our kernels at cutile's chunks and TileGym's configs at its own, per model shape."""
+    import torch
+    from ops.forward import KERNELS
+    from tests.benchmark import models, warm_compile
+    sets = models.warm_arg_sets(models.MODELS.values(), ["triton", "cutile", "tilegym"], models.IMPL_CHUNKS,
+                                [256], procs=4)
+    assert len(sets) == 2 * len(models.MODELS)
+    for (name, shape), ours, tilegym in zip(models.MODELS.items(), sets[::2], sets[1::2]):
+        for a in (ours, tilegym):
+            assert (a.batch, a.seqlens, a.nheads, a.headdim, a.ngroups, a.dstates) == (
+                shape["batch"], [shape["seqlen"]], shape["nheads"], shape["headdim"], shape["ngroups"],
+                [shape["dstate"]]), name
+        assert (ours.chunks, ours.tilegym, ours.kernels) == ([64, 128, 256], False, list(KERNELS))
+        assert (tilegym.chunks, tilegym.tilegym, tilegym.kernels) == ([64], True, [])
+    hybrid = sets[-2]                                  # 8b-hybrid-layer: batch 2
+    listed = [cfg for n, L, d, c, cfg in warm_compile._tasks(hybrid) if n == "fwd_pass_state" and c == 64]
+    space = lambda batch: list(KERNELS["fwd_pass_state"].search_space(
+        batch=batch, seqlen=8192, nheads=128, headdim=64, ngroups=8, dstate=128, chunk_size=64,
+        dtype=torch.bfloat16, states_dtype=torch.bfloat16))
+    assert listed == space(2) and space(2) != space(1)
+    assert models.warm_arg_sets(models.MODELS.values(), ["triton"], models.IMPL_CHUNKS, [256], 4) == []
 
 
 def test_ncu_summary_reads_the_raw_page(tmp_path):
@@ -519,3 +544,137 @@ def test_merge_results_shares_lengths_longest_first():
     assert merge_results.share("64,128", "0") == [("0", ["64", "128"])]
     with pytest.raises(ValueError):
         merge_results.share("", "0")
+
+
+# Each implementation at its own chunks (--impl-chunks) ------------------------------------------
+
+def test_impl_chunks_are_checked(capsys):
+    from tests.benchmark import bench_forward as bf
+    a = bf.parse_args(["--impls", "triton,cutile,tilegym", "--chunks", "64,128",
+                       "--impl-chunks", "tilegym=64, triton=128:256"])
+    assert a.impl_chunks == {"tilegym": [64], "triton": [128, 256]}
+    assert [bf.chunks_of(a, i) for i in a.impls] == [[128, 256], [64, 128], [64]]
+    for bad, why in (("nope=64", "unknown implementation 'nope'"), ("triton=96", "96 is not a power of two"),
+                     ("triton=0", "0 is not a power of two"), ("triton", "not IMPL=CHUNK"),
+                     ("triton=x", "must be integers"), ("triton=64,triton=128", "named twice")):
+        with pytest.raises(SystemExit):
+            bf.parse_args(["--impl-chunks", bad])
+        err = capsys.readouterr().err
+        assert "--impl-chunks" in err and why in err, (bad, err)
+
+
+def test_impl_chunks_give_each_implementation_its_own_chunks(stand_ins, tmp_path):
+    """Implementations at different chunk sets: each marks its own best chunk, the baseline is Triton
+    at its largest chunk (it has no 256), and the closing tables show each at its best."""
+    csv_path = str(tmp_path / "own.csv")
+    proc = run_bench(TINY + ["--impls", "triton,tilegym,interpret", "--seqlens", "64", "--dstates", "16",
+                             "--chunks", "32", "--impl-chunks", "interpret=16:32,tilegym=16,triton=32:64",
+                             "--csv", csv_path, "--quiet-workers"], bench_env(stand_ins))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = read_csv(csv_path)
+    assert sorted((r["impl"], int(r["chunk"])) for r in rows) == [
+        ("interpret", 16), ("interpret", 32), ("tilegym", 16), ("triton", 32), ("triton", 64)]
+    assert all(r["status"] == "ok" for r in rows)
+    for impl in ("triton", "tilegym", "interpret"):
+        mine = [r for r in rows if r["impl"] == impl]
+        assert [r["best_chunk"] for r in mine].count("True") == 1, mine
+        fastest = min(mine, key=lambda r: float(r["ms"]))
+        assert fastest["best_chunk"] == "True"
+    for r in rows:
+        expected = "(baseline)" if (r["impl"], r["chunk"]) == ("triton", "64") else "triton/64"
+        assert r["rel_err_vs"] == expected, r
+        assert r["rel_err_vs"] == "(baseline)" or float(r["rel_err"]) < 1e-2
+    assert "chunk 32 (interpret 16,32, tilegym 16, triton 32,64)" in proc.stdout
+    best_table = proc.stdout.split("each implementation at its best chunk")[1]
+    assert re.search(r"^64\s+16\s+[\d.]+ \((32|64)\)\s+[\d.]+ \(16\)\s+[\d.]+ \((16|32)\)", best_table, re.MULTILINE), best_table
+
+
+# The model shapes (models.py), as a dry run on the CPU --------------------------------------------
+
+MODELS_DRY = ["--models", "mamba2-130m-train,8b-hybrid-layer", "--scale-down", "64", "--device", "cpu",
+              "--impls", "reference,interpret", "--chunks", "16,32", "--impl-chunks", "interpret=32",
+              "--warmup-ms", "1", "--rep-ms", "2", "--quiet-workers"]
+
+
+def run_models(args, env, timeout=180):
+    return subprocess.run([sys.executable, "-m", "tests.benchmark.models"] + args, capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def models_run(stand_ins, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("models")
+    out, slices = str(folder / "models.csv"), str(folder / "slices")
+    proc = run_models(MODELS_DRY + ["--out", out, "--slices", slices], bench_env(stand_ins))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(proc=proc, out=out, slices=slices)
+
+
+def test_models_rows_per_model_implementation_and_chunk(models_run):
+    from tests.benchmark import models
+    from tests.benchmark.bench_forward import CSV_COLUMNS
+    with open(models_run["out"], newline="") as f:
+        header = next(csv.reader(f))
+    assert header[0] == "model" and header[1:len(CSV_COLUMNS) + 1] == CSV_COLUMNS
+    rows = read_csv(models_run["out"])
+    assert sorted((r["model"], r["impl"], int(r["chunk"])) for r in rows) == sorted(
+        (m, impl, c) for m in ("mamba2-130m-train", "8b-hybrid-layer")
+        for impl, c in (("reference", 16), ("reference", 32), ("interpret", 32)))
+    for r in rows:
+        shape = models.scaled(models.MODELS[r["model"]], 64)
+        assert {k: int(r[k]) for k in shape} == shape and r["dtype"] == "bfloat16"
+        assert r["status"] == "ok" and r["rel_err_vs"] in ("(baseline)", "reference/32"), r
+    assert models.scaled(models.MODELS["8b-hybrid-layer"], 64)["ngroups"] == 8   # groups are kept
+    for m in ("mamba2-130m-train", "8b-hybrid-layer"):
+        for impl in ("reference", "interpret"):
+            marks = [r["best_chunk"] for r in rows if (r["model"], r["impl"]) == (m, impl)]
+            assert marks.count("True") == 1, (m, impl, marks)
+    out = models_run["proc"].stdout
+    table = out.split("each implementation at its best chunk (ms")[1]
+    assert "mamba2-130m-train" in table and "8b-hybrid-layer" in table and "cutile vs tilegym" in table
+    assert "1 x 128, 8 heads x 16, 8 groups, dstate 16" in table
+
+
+def test_models_resume_skips_what_is_done(models_run, stand_ins, tmp_path):
+    out = str(tmp_path / "resumed.csv")
+    with open(models_run["out"]) as f:
+        text = f.read()
+    with open(out, "w") as f:
+        f.write(text)
+    proc = run_models(MODELS_DRY + ["--out", out, "--resume"], bench_env(stand_ins))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("points are in") == 2 and "worker started" not in proc.stdout
+    with open(out) as f:
+        assert f.read() == text
+    # one point missing: only that one runs, in its model's run; the other model is skipped
+    rows = read_csv(out)
+    kept = [r for r in rows if (r["model"], r["impl"]) != ("8b-hybrid-layer", "interpret")]
+    report.write_csv(out, kept)
+    proc = run_models(MODELS_DRY + ["--out", out, "--resume", "--slices", models_run["slices"]], bench_env(stand_ins))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "=== mamba2-130m-train: all 3 points are in" in proc.stdout
+    assert "=== 8b-hybrid-layer: 1 x 128" in proc.stdout and "2 rows kept, 1 points to run" in proc.stdout
+    assert proc.stdout.count("worker started") == 1
+    again = read_csv(out)
+    assert len(again) == len(rows)
+    assert [r for r in again if r["model"] == "mamba2-130m-train"] == [r for r in rows if r["model"] == "mamba2-130m-train"]
+    new = [r for r in again if (r["model"], r["impl"]) == ("8b-hybrid-layer", "interpret")]
+    # compared with the baseline's output of the first run (kept in --slices)
+    assert len(new) == 1 and new[0]["status"] == "ok" and new[0]["rel_err_vs"] == "reference/32"
+
+
+def test_models_rejects_what_the_models_set(capsys):
+    from tests.benchmark import models
+    for argv, expected in ((["--nheads", "4"], "--nheads is set by each model"),
+                           (["--seqlens", "1K"], "--seqlens is set by each model"),
+                           (["--csv", "x.csv"], "--csv"),
+                           (["--impl-chunks", "tilegym=3"], "--impl-chunks: tilegym: chunk 3 is not a power of two"),
+                           (["--models", "mamba2-9b"], "--models: unknown mamba2-9b")):
+        with pytest.raises(SystemExit):
+            models.parse_args(argv)
+        assert expected in capsys.readouterr().err, argv
+    a = models.parse_args(["--models", "8b-hybrid-layer", "mamba2-130m-train", "--impl-chunks", "cutile=128",
+                           "--impls", "cutile,triton"])
+    assert a.models == ["8b-hybrid-layer", "mamba2-130m-train"]
+    assert a.impl_chunks == {"cutile": [128], "triton": [128, 256], "tilegym": [64]}
+    assert a.passthrough == ["--impls", "cutile,triton"]

@@ -2,6 +2,7 @@
 
     python tests/benchmark/bench_forward.py --csv results.csv --plot speedup.png   # the full grid, chunk 256
     python tests/benchmark/bench_forward.py --chunks 64,128,256 --csv chunks.csv   # + each one's best chunk
+    python tests/benchmark/bench_forward.py --chunks 64,128,256 --impl-chunks tilegym=64,triton=128:256
     python tests/benchmark/bench_forward.py --seqlens 16K --dstates 128 --impls triton,cutile
     python tests/benchmark/bench_forward.py --device cpu --impls reference,interpret \\
         --seqlens 64,128 --dstates 16 --nheads 2 --headdim 16 --chunks 32        # dry run, no GPU
@@ -29,13 +30,15 @@ Measured per (implementation, L, dstate, chunk), one CSV row each:
     peak_mem_mb   memory allocated during one call, beyond what was allocated before it
     rel_err       ||out - base|| / ||base|| over the first and last 1024 tokens (all heads), against
                   the baseline named in rel_err_vs: triton at chunk 256 where it ran, else cutile
-                  (``--baseline``); the baseline's own row says "(baseline)"
+                  (``--baseline``; without 256 among its chunks, an implementation's largest chunk
+                  stands in); the baseline's own row says "(baseline)"
     flops, bytes  the useful work and the least memory traffic of the call (``work_counts``)
     tflops, gbps  flops / time and bytes / time
     roofline_fraction  max(flops / peak_tflops, bytes / peak_gbps) / time: 1.0 is the hardware limit.
                   The peaks are measured at the start of the run on this device: a bf16 8192^3 matmul
                   and a 1 GiB device-to-device copy (bytes read + written)
-    best_chunk    True on each implementation's fastest chunk for the shape
+    best_chunk    True on each implementation's fastest chunk for the shape, among the chunks it ran:
+                  ``--chunks``, or its own list from ``--impl-chunks`` (implementations may differ)
     status        ok, failed: <error>, crashed: <last error line>, not installed (<module>), skipped: ...
 and with every row the device, driver, package versions, peaks, timer, settings and the
 MAMBA2_CUTILE_*/TILEGYM_*/TRITON_* environment variables passed on, so a CSV explains itself.
@@ -624,7 +627,6 @@ class Run:
     def __init__(self, args, meta, slices_dir, rows=()):
         self.args, self.meta, self.slices_dir = args, meta, slices_dir
         self.baseline = args.baseline                    # [(impl, chunk or None)], in order of preference
-        self.ref_chunk = report.REF_CHUNK if report.REF_CHUNK in args.chunks else max(args.chunks)
         self.rows = {point_key(r): r for r in rows}
         self.pending = {}                                # shape -> {(impl, chunk)} still to run
         self.peaks = {}
@@ -672,11 +674,17 @@ class Run:
 
     # Comparing outputs --------------------------------------------------------------------
 
+    def ref_chunk(self, impl):
+        """The chunk an implementation is a baseline at when --baseline names none: 256, or its
+        largest chunk if it does not run at 256."""
+        chunks = chunks_of(self.args, impl)
+        return report.REF_CHUNK if report.REF_CHUNK in chunks else max(chunks)
+
     def baseline_for(self, shape_rows, pending):
         """The baseline row of one shape: the first candidate (impl, chunk) that ran; None if it
         is not decided yet (a candidate is still to run) or none ran."""
         for impl, chunk in self.baseline:
-            chunk = chunk or self.ref_chunk
+            chunk = chunk or self.ref_chunk(impl)
             r = shape_rows.get((impl, chunk))
             if r is not None and report.is_ok(r):
                 return r
@@ -760,9 +768,38 @@ def parse_ints(text):
     return [int(v) for v in text.split(",") if v.strip()]
 
 
+def parse_impl_chunks(text):
+    """"tilegym=64,triton=128:256" -> {"tilegym": [64], "triton": [128, 256]}. Raises ValueError
+    (its message names the problem) on a malformed item, an unknown implementation or a chunk
+    that is not a power of two."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        impl, sep, chunks = (s.strip() for s in item.partition("="))
+        if not sep or not impl or not chunks:
+            raise ValueError(f"{item!r} is not IMPL=CHUNK[:CHUNK...]")
+        if impl not in IMPLS and not impl.startswith("_"):
+            raise ValueError(f"unknown implementation {impl!r}; known: {', '.join(IMPLS)}")
+        if impl in out:
+            raise ValueError(f"{impl} is named twice")
+        try:
+            values = [int(c) for c in chunks.split(":")]
+        except ValueError:
+            raise ValueError(f"{impl}: chunks must be integers separated by ':', got {chunks!r}") from None
+        bad = [c for c in values if c < 1 or c & (c - 1)]
+        if bad:
+            raise ValueError(f"{impl}: chunk {bad[0]} is not a power of two")
+        out[impl] = list(dict.fromkeys(values))
+    return out
+
+
+def chunks_of(args, impl):
+    """The chunk sizes ``impl`` runs at: its own from --impl-chunks, else --chunks."""
+    return args.impl_chunks.get(impl, args.chunks)
+
+
 def parse_baseline(text):
     """"triton:256,cutile" -> [("triton", 256), ("cutile", None)]. None stands for the reference
-    chunk: 256, or the largest chunk of the run if it has no 256."""
+    chunk: 256, or the implementation's largest chunk if it does not run at 256."""
     out = []
     for item in text.split(","):
         impl, _, chunk = item.strip().partition(":")
@@ -811,12 +848,13 @@ def source_digest(root=ROOT):
 
 
 def make_tasks(args, impls):
-    """Every point of the grid for each implementation, in (L, dstate, chunk) order."""
+    """Every point of the grid for each implementation, in (L, dstate, chunk) order; each
+    implementation at its own chunks (``chunks_of``)."""
     tasks = {impl: [] for impl in impls}
     for L in args.seqlens:
         for n in args.dstates:
-            for chunk in args.chunks:
-                for impl in impls:
+            for impl in impls:
+                for chunk in chunks_of(args, impl):
                     t = dict(impl=impl, batch=args.batch, seqlen=L, nheads=args.nheads, headdim=args.headdim,
                              ngroups=args.ngroups, dstate=n, chunk=chunk, dtype=DTYPES[args.dtype])
                     t["id"] = slice_name(t)[:-3]
@@ -832,6 +870,10 @@ def parse_args(argv):
     ap.add_argument("--seqlens", default="1K,4K,16K,64K,256K", help="e.g. 1K,4K,16K,64K,256K or 1024,4096")
     ap.add_argument("--dstates", default="64,128,256,512")
     ap.add_argument("--chunks", default="256", help="chunk sizes to run every implementation at, e.g. 64,128,256")
+    ap.add_argument("--impl-chunks", default="", metavar="IMPL=C[:C...],...",
+                    help="chunk sizes of the implementations named, in place of --chunks, e.g. "
+                         "tilegym=64,triton=128:256 (the others run at --chunks; an implementation "
+                         "named but not in --impls is ignored)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--nheads", type=int, default=80)
     ap.add_argument("--headdim", type=int, default=64)
@@ -841,8 +883,9 @@ def parse_args(argv):
     ap.add_argument("--rep-ms", type=float, default=200, help="do_bench measuring time")
     ap.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run of the harness")
     ap.add_argument("--baseline", default="triton,cutile",
-                    help="outputs are compared with the first of these (impl or impl:chunk; chunk 256 if "
-                         "not given) that ran at each shape; the other implementations follow, in order")
+                    help="outputs are compared with the first of these (impl or impl:chunk; if not given, "
+                         "chunk 256, or the implementation's largest without 256) that ran at each "
+                         "shape; the other implementations follow, in order")
     ap.add_argument("--csv", default=None, help="write every row here (rewritten after each task)")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --csv, run only the others")
     ap.add_argument("--plot", default=None, help="also write the speedup plot (PNG) here")
@@ -863,6 +906,10 @@ def parse_args(argv):
     if unknown:
         ap.error(f"unknown implementation(s) {', '.join(unknown)}; known: {', '.join(IMPLS)}")
     args.seqlens, args.dstates, args.chunks = parse_lengths(args.seqlens), parse_ints(args.dstates), parse_ints(args.chunks)
+    try:
+        args.impl_chunks = parse_impl_chunks(args.impl_chunks)
+    except ValueError as e:
+        ap.error(f"--impl-chunks: {e}")
     args.baseline = parse_baseline(args.baseline)
     args.baseline += [(i, None) for i in args.impls if i not in {b[0] for b in args.baseline}]
     if args.resume and not args.csv:
@@ -903,8 +950,10 @@ def main(argv=None):
     run.total = sum(len(v) for v in tasks.values())
     if existing:
         print(f"resuming {args.csv}: {len(existing)} rows kept, {run.total} points to run", flush=True)
+    own = ", ".join(f"{i} {','.join(map(str, c))}" for i, c in args.impl_chunks.items() if i in args.impls)
+    own = f" ({own})" if own else ""
     print(f"{run.total} points: impls {','.join(args.impls)}; L {','.join(map(report.fmt_len, args.seqlens))}; "
-          f"dstate {','.join(map(str, args.dstates))}; chunk {','.join(map(str, args.chunks))}; "
+          f"dstate {','.join(map(str, args.dstates))}; chunk {','.join(map(str, args.chunks))}{own}; "
           f"{args.nheads} heads x {args.headdim}, {args.ngroups} group(s), {DTYPES[args.dtype]}, on {args.device}",
           flush=True)
 
@@ -950,7 +999,7 @@ def main(argv=None):
 
     rows = run.sorted_rows()
     print("\n" + report.table(rows, markdown=False, rel_err=True))
-    if len(args.chunks) > 1:
+    if len({c for impl in args.impls for c in chunks_of(args, impl)}) > 1:
         print("\neach implementation at its best chunk (chunk in parentheses):")
         print(report.table(rows, chunk="best", markdown=False))
     for line in report.failures(rows):

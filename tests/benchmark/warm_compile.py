@@ -10,9 +10,12 @@ compiled.
     python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,16384 --procs 12
     python tests/benchmark/warm_compile.py --chunks 64,128,256 --tilegym     # + the chunk sweep, TileGym
     python tests/benchmark/warm_compile.py --kernels fwd_pass_state          # one kernel's space
+    python tests/benchmark/warm_compile.py --batch 8 --seqlens 2048 --dstates 128 --chunks 64,128,256
+    python -m tests.benchmark.models --warm       # the model shapes (tests/benchmark/models.py), one pool
 
 Each (dstate, seqlen) pair stands for the benchmark shapes that specialize alike: 1K tokens have
-4 chunks of 256 (not a multiple of 16), 4K and more have a multiple of 16 chunks.
+4 chunks of 256 (not a multiple of 16), 4K and more have a multiple of 16 chunks. Give the
+benchmark's batch size too (``--batch``): some search spaces depend on it.
 
 ``--tilegym`` also warms TileGym's cuTile kernels the same way: it calls TileGym's forward (which
 runs its own exhaustive autotuning, compiling each of its configs) once per (dstate, seqlen, chunk)
@@ -30,11 +33,11 @@ import time
 KERNEL_NAMES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
 
 
-def _inputs(seqlen, dstate, nheads, headdim, ngroups):
+def _inputs(seqlen, dstate, nheads, headdim, ngroups, batch=1):
     """The benchmark's own inputs (bench_forward.make_inputs): the same shapes and dtypes."""
     import torch
     from tests.benchmark import bench_forward
-    return bench_forward.make_inputs(torch, "cuda", 1, seqlen, nheads, headdim, ngroups, dstate,
+    return bench_forward.make_inputs(torch, "cuda", batch, seqlen, nheads, headdim, ngroups, dstate,
                                      "bfloat16")
 
 
@@ -45,7 +48,7 @@ def _tasks(args):
     for chunk in args.chunks:
         for dstate in args.dstates:
             for seqlen in args.seqlens:
-                shape = dict(batch=1, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
+                shape = dict(batch=args.batch, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
                              ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
                              dtype=torch.bfloat16, states_dtype=torch.bfloat16)
                 for name in args.kernels:
@@ -72,7 +75,7 @@ def _worker(job):
         key = (seqlen, dstate)
         if key not in inputs:
             inputs.clear()
-            inputs[key] = _inputs(seqlen, dstate, args.nheads, args.headdim, args.ngroups)
+            inputs[key] = _inputs(seqlen, dstate, args.nheads, args.headdim, args.ngroups, args.batch)
         t0 = time.time()
         try:
             if name == "tilegym":
@@ -121,8 +124,9 @@ def _tilegym_forward(inp, chunk, part=0, nparts=1):
             setattr(tg, name, listing)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dstates", default="64,128,256,512")
     ap.add_argument("--seqlens", default="1024,16384")
     ap.add_argument("--nheads", type=int, default=80)
@@ -144,20 +148,37 @@ def main(argv=None):
     unknown = set(args.kernels) - set(KERNEL_NAMES)
     if unknown:
         ap.error(f"--kernels: unknown {sorted(unknown)}; expected some of {', '.join(KERNEL_NAMES)}")
+    return args
 
-    tasks = _tasks(args)
-    # Interleave so every process gets a mix of kernels (compile times differ a lot).
-    jobs = [(tasks[i::args.procs], args) for i in range(args.procs) if tasks[i::args.procs]]
-    print(f"compiling {len(tasks)} kernel variants in {len(jobs)} processes", flush=True)
+
+def warm(arg_sets, procs):
+    """Compile the tasks of every parsed argument set (each its own shape) on one pool of
+    ``procs`` processes: several shapes share the processes instead of each starting its own."""
+    jobs, total = [], 0
+    for args in arg_sets:
+        tasks = _tasks(args)
+        total += len(tasks)
+        # Interleave so every process gets a mix of kernels (compile times differ a lot).
+        jobs += [(tasks[i::procs], args) for i in range(procs) if tasks[i::procs]]
+    if not jobs:
+        print("nothing to compile", flush=True)
+        return
+    jobs.sort(key=lambda job: job[0][0][0] != "tilegym")     # the long TileGym searches first
+    print(f"compiling {total} kernel variants in {min(procs, len(jobs))} processes", flush=True)
     t0, done, failed = time.time(), 0, []
-    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+    with mp.get_context("spawn").Pool(min(procs, len(jobs))) as pool:
         for results in pool.imap_unordered(_worker, jobs):
             done += len(results)
             failed += [r for r in results if r[5] != "ok"]
-            print(f"  {done}/{len(tasks)} done ({time.time() - t0:.0f} s)", flush=True)
-    print(f"{len(tasks) - len(failed)} compiled, {len(failed)} failed, {time.time() - t0:.0f} s")
+            print(f"  {done}/{total} done ({time.time() - t0:.0f} s)", flush=True)
+    print(f"{total - len(failed)} compiled, {len(failed)} failed, {time.time() - t0:.0f} s")
     for name, seqlen, dstate, chunk, cfg, status, _ in failed:
         print(f"  FAILED {name} L={seqlen} dstate={dstate} chunk={chunk} {cfg}: {status}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warm([args], args.procs)
 
 
 if __name__ == "__main__":
