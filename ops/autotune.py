@@ -327,9 +327,9 @@ class Table:
 
 
 # Knobs whose variants take much longer to compile, and the value that does not: persistent
-# blocks double compute_out's compile time (22 s against 9 s on the H200's host, which makes
-# most of a first call) for 0.4-3% at the shapes they were tuned at, where their grid was sized
-# for the work. A config borrowed from a nearby shape leaves them off.
+# blocks about double compute_out's compile time (most of a first call) for 0.4-3% at the shapes
+# they were tuned at, where their grid was sized for the work. A config borrowed from a nearby
+# shape leaves them off.
 COSTLY_TO_COMPILE = {"PERSISTENT": False}
 
 

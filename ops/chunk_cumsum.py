@@ -52,7 +52,7 @@ import cuda.tile as ct
 from .configs import resolve_config, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (LOG2E, ZERO, ConstBool, ConstInt, cdiv, check_chunk_size, is_pow2_in, latency_hint,
-                    new_output, next_pow2, softplus)
+                    new_output, next_pow2, softplus, unread_stand_in)
 
 
 @ct.kernel
@@ -146,7 +146,7 @@ def chunk_cumsum_plan(dt, A, chunk_size, dt_bias=None, dt_softplus=False,
     shape = (batch, nheads, nchunks, chunk_size)
     dt_out = new_output(shape, torch.float32, dt.device, poison)
     dA_cumsum = new_output(shape, torch.float32, dt.device, poison)
-    bias = dt_bias if dt_bias is not None else torch.zeros(1, dtype=torch.float32, device=dt.device)
+    bias = dt_bias if dt_bias is not None else unread_stand_in(dt.device)
     grid = (nchunks, cdiv(nheads, block_h), batch)
     args = (dt, A, bias, dt_out, dA_cumsum, float(dt_limit[0]), float(dt_limit[1]),
             chunk_size, block_h, dt_bias is not None, bool(dt_softplus),

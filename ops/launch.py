@@ -15,6 +15,7 @@ So the same wrapper, given CPU inputs, gives a kernel you can step through
 with pdb on a laptop.
 """
 
+import threading
 import types
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ import torch
 import cuda.tile as ct
 
 from ops.cutile_internals import kernel_function, kernel_hints
+from ops.utils import is_unread_stand_in
 
 
 def _tensors(args):
@@ -131,8 +133,9 @@ class Plan(NamedTuple):
     before: tuple = ()
 
 
-# While a call is recorded for replay (``ops.replay.Recording``), the plans ``run`` launches, in order.
-RECORDER = None
+# While a call is recorded for replay (``ops.replay.Recording``), ``RECORDER.plans`` lists the plans
+# ``run`` launches, in order (per thread: another thread's calls are not this call's).
+RECORDER = threading.local()
 
 
 def run(plan, stream=None):
@@ -141,8 +144,9 @@ def run(plan, stream=None):
     for step in plan.before:
         run(step, stream)
     launch(plan.grid, plan.kernel, plan.args, stream)
-    if RECORDER is not None:
-        RECORDER.append(plan)
+    recorded = getattr(RECORDER, "plans", None)
+    if recorded is not None:
+        recorded.append(plan)
     return plan.outputs
 
 
@@ -155,8 +159,8 @@ def run(plan, stream=None):
 
 class PlanTemplate:
     """A plan with its tensors replaced by their origin: one of the ``inputs`` it was built from,
-    an output buffer (allocated afresh at each ``bind``), or a dummy of at most one element that
-    the kernel never reads (kept as it is). ``usable`` is False for a plan holding any other
+    an output buffer (allocated afresh at each ``bind``), or a stand-in the kernel never reads
+    (``ops.utils.unread_stand_in``, kept as it is). ``usable`` is False for a plan holding any other
     tensor, whose values would have to be recomputed: such a plan must be built every time."""
 
     def __init__(self, plan, inputs):
@@ -188,7 +192,7 @@ class PlanTemplate:
             return ("input", self._inputs[id(value)])
         if id(value) in self._made:
             return ("buffer", self._made[id(value)])
-        if value.numel() > 1:
+        if not is_unread_stand_in(value):              # computed from the inputs: not re-usable
             self.usable = False
         return ("value", value)
 

@@ -49,12 +49,18 @@ def call_key(tensors, options):
 
 def lookup(key, stamp):
     """The replay recorded for ``key`` under ``stamp`` (what else decides the launches: the
-    autotuner in use), or None (also for a key with an unhashable option)."""
+    autotuner in use); ``NEVER`` for a key whose calls were found not replayable (so they are
+    not recorded again and again); else None (also for a key with an unhashable option)."""
     try:
         replay = _REPLAYS.get(key)
     except TypeError:
+        return NEVER
+    if replay is None or replay.stamp is not stamp:
         return None
-    return replay if replay is not None and replay.stamp is stamp else None
+    return NEVER if isinstance(replay, _Never) else replay
+
+
+NEVER = "never"      # lookup's answer for calls that are not replayable
 
 
 class Recording:
@@ -68,12 +74,13 @@ class Recording:
 
     def __enter__(self):
         from . import launch       # imports cuda.tile, which the entry point itself does not need
-        self._launch = launch
-        self._outer, launch.RECORDER = launch.RECORDER, self.plans
+        self._recorder = launch.RECORDER            # per thread
+        self._outer = getattr(self._recorder, "plans", None)
+        self._recorder.plans = self.plans
         return self
 
     def __exit__(self, *exc):
-        self._launch.RECORDER = self._outer
+        self._recorder.plans = self._outer
         return False
 
     def keep(self, results):
@@ -82,10 +89,16 @@ class Recording:
             hash(self.key)
         except TypeError:                               # an unhashable option
             return
-        if replay.usable:
-            if len(_REPLAYS) >= CACHE_SIZE:
-                _REPLAYS.pop(next(iter(_REPLAYS)))
-            _REPLAYS[self.key] = replay
+        if len(_REPLAYS) >= CACHE_SIZE:
+            _REPLAYS.pop(next(iter(_REPLAYS)))
+        _REPLAYS[self.key] = replay if replay.usable else _Never(self.stamp)
+
+
+class _Never:
+    """A key's entry when its call was not replayable (under the tuner ``stamp``)."""
+
+    def __init__(self, stamp):
+        self.stamp = stamp
 
 
 def _restrides(t, inputs):
@@ -105,6 +118,7 @@ class Replay:
     one-element dummies the kernels never read)."""
 
     def __init__(self, plans, inputs, results, stamp):
+        from .utils import is_unread_stand_in
         self.stamp = stamp
         self.usable = bool(plans)
         where = {id(t): i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
@@ -142,7 +156,7 @@ class Replay:
             if isinstance(arg, torch.Tensor):
                 if id(arg) in where:
                     return where[id(arg)]
-                if arg.numel() > 1:                     # derived from the inputs: not replayable
+                if not is_unread_stand_in(arg):         # derived from the inputs: not replayable
                     self.usable = False
             values.append(arg)
             return first_value + len(values) - 1

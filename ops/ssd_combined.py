@@ -66,14 +66,17 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         return_varlen_states (out, varlen_states); with both (out, final_states, varlen_states).
     """
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
-    replay_key = None
+    replay_key = known = None
     if cu_seqlens is None and not return_varlen_states:
         # A call like an earlier eager one replays its launches (ops/replay.py): the checks
         # below passed for the same shapes and options then, and the configs are the same.
+        if (isinstance(seq_idx, torch.Tensor) and seq_idx.dtype in _OTHER_INTEGERS
+                and not torch.compiler.is_compiling()):
+            seq_idx = seq_idx.to(torch.int32)      # as the kernels would: the replay's input
         replay_key, stamp = _replay_key(tensors + (seq_idx,), chunk_size, dt_softplus, dt_limit,
                                         state_dtype, backend)
         known = replay_key is not None and replay.lookup(replay_key, stamp)
-        if known:
+        if known and known is not replay.NEVER:
             if seq_idx is not None:
                 check_values(x, seq_idx, None)
             out, final_states = known.run(tensors + (seq_idx,))
@@ -107,7 +110,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         # Eager: the operator's work without its dispatch (tens of microseconds per call),
         # recorded for replay where it can be.
         from .torch_op import forward
-        record = replay_key is not None and resolved != "reference"
+        record = replay_key is not None and known is None and resolved != "reference"
         with replay.Recording(replay_key, stamp, tensors + (seq_idx,)) if record else _NO_RECORDING as rec:
             out, final_states, varlen_states = forward(
                 *tensors, seq_idx, cu_seqlens, backend=resolved, **options)
@@ -119,18 +122,23 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 _NO_RECORDING = contextlib.nullcontext()
+# Sequence-id dtypes converted to the kernels' int32 before a call is keyed for replay.
+_OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend):
     """(the replay key of an eager call, the autotuner it was made under), or (None, None)
     where the call is not replayed (ops.replay): a search for configs may run, or the outputs
-    are poisoned (tests), or the options are of unusual types (they are checked afresh)."""
+    are poisoned (tests), or the options are of unusual types (they are checked afresh). The
+    autotuning mode is part of the key: switching it changes the configs."""
     forward = sys.modules.get(f"{__package__}.forward")   # None until a kernel backend has run
-    if forward is None or type(dt_limit) is not tuple or forward.POISON_OUTPUTS:
+    if (forward is None or forward.POISON_OUTPUTS or type(dt_limit) is not tuple
+            or not all(type(v) in (int, float) for v in dt_limit)):
         return None, None
-    if autotune.mode() == "search":
+    how = autotune.mode()                       # the configs a call takes depend on it
+    if how == "search":
         return None, None
-    options = (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit, state_dtype, backend)
+    options = (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit, state_dtype, backend, how)
     return replay.call_key(tensors, options), autotune.tuner()
 
 

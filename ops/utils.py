@@ -63,6 +63,20 @@ def new_output(shape, dtype, device, poison=False):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def unread_stand_in(device):
+    """A one-element tensor passed for an absent optional tensor argument whose kernel flag is
+    off (the kernel never reads it). Marked as such, so that re-used plans and replays
+    (``ops.launch.PlanTemplate``, ``ops.replay``) keep it as it is; any other tensor they do not
+    know must be computed afresh for each call."""
+    t = torch.zeros(1, dtype=torch.float32, device=device)
+    t.unread_stand_in = True
+    return t
+
+
+def is_unread_stand_in(t):
+    return getattr(t, "unread_stand_in", False)
+
+
 def as_int32(seq_idx):
     """Sequence ids as the int32 the kernels compare (None stays None)."""
     if seq_idx is not None and seq_idx.dtype != torch.int32:

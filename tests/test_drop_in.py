@@ -464,12 +464,13 @@ def test_repeated_calls_reuse_their_plans_and_stay_exact(monkeypatch):
 
 def test_a_plan_holding_a_computed_tensor_is_never_reused():
     from ops.launch import Plan, PlanTemplate
+    from ops.utils import unread_stand_in
     x = torch.ones(4)
     out = torch.empty(4)
-    scalar_dummy, derived = torch.zeros(1), x * 2
-    assert PlanTemplate(Plan((1,), None, (x, out, scalar_dummy), (out,)), (x,)).usable
-    template = PlanTemplate(Plan((1,), None, (x, out, derived), (out,)), (x,))
-    assert not template.usable
+    stand_in, derived, derived_scalar = unread_stand_in("cpu"), x * 2, x[:1] * 2
+    assert PlanTemplate(Plan((1,), None, (x, out, stand_in), (out,)), (x,)).usable
+    for computed in (derived, derived_scalar):         # one element or many: computed afresh
+        assert not PlanTemplate(Plan((1,), None, (x, out, computed), (out,)), (x,)).usable
     bound = PlanTemplate(Plan((1,), None, (x, out, 3), (out,)), (x,)).bind((torch.zeros(4),))
     assert bound.args[0].sum() == 0 and bound.args[1] is bound.outputs[0] and bound.args[2] == 3
 
@@ -543,20 +544,21 @@ def test_calls_that_differ_or_cannot_be_replayed_are_run_afresh(monkeypatch, cha
             mamba_chunk_scan_combined(**kw, chunk_size=32.0, **OPTIONS, backend="interpret")
         assert not runs
         return
-    elif change == "int64 seq_idx":               # converted each call: never recorded
+    elif change == "int64 seq_idx":               # converted to int32 first: the same call
         kw["seq_idx"] = kw["seq_idx"].long()
     elif change == "poisoned":
         monkeypatch.setattr(forward, "POISON_OUTPUTS", True)
     elif change == "search":
         monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "1")
-    if change in ("int64 seq_idx", "poisoned", "search"):
+    if change in ("poisoned", "search"):
         replay._REPLAYS.clear()
     expected = ssd_sequential(**f64(kw), **{**OPTIONS, **options}, return_final_states=True)
     for _ in range(3):
         out = _run(kw, **options)
         assert rel_err(out[0], expected[0]) < (4e-3 if change == "dtype" else TOL[torch.float32])
-    assert bool(runs) == (change in ("dtype", "strides", "option"))   # new keys: recorded, then replayed
-    if change in ("int64 seq_idx", "poisoned", "search"):
+    # new keys: recorded, then replayed
+    assert bool(runs) == (change in ("dtype", "strides", "option", "int64 seq_idx"))
+    if change in ("poisoned", "search"):
         assert not replay._REPLAYS
 
 
@@ -581,6 +583,46 @@ def test_a_batch_one_slice_is_restrided_in_each_replay(monkeypatch):
     fresh = _run({k: v.clone() for k, v in sliced[1].items()})
     for a, b in zip(replayed, fresh, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_replay_never_keeps_a_computed_one_element_tensor(monkeypatch):
+    """Sequence ids of a one-token call converted from int64, and one one-element view passed
+    as both D and dt_bias (restrided once, for two inputs): each call must use its own values."""
+    from ops import replay
+    base = problem(torch.float32, batch=1, seqlen=1, nheads=1, ngroups=1, D="1d")
+    base["initial_states"] = torch.randn(1, 1, 16, 16)
+    for ids in ([[0]], [[1]], [[0]]):
+        kw = dict(base, seq_idx=torch.tensor(ids))                      # int64
+        got = _run(kw)
+        replay._REPLAYS.clear()
+        fresh = _run(dict(kw, seq_idx=kw["seq_idx"].clone()))
+        for a, b in zip(got, fresh, strict=True):
+            assert torch.equal(a, b)
+    replay._REPLAYS.clear()
+    for value in (0.5, -2.0, 3.0):
+        shared = torch.tensor([value, 9.0])[::2]                        # one element, stride 2
+        kw = dict(base, D=shared, dt_bias=shared)
+        got = _run(kw)
+        expected = ssd_sequential(**f64(kw), **OPTIONS, return_final_states=True)
+        assert rel_err(got[0], expected[0]) < TOL[torch.float32]
+
+
+def test_a_changed_autotune_mode_or_dt_limit_is_a_new_call(monkeypatch):
+    from ops import replay
+    runs = _replayed_runs(monkeypatch)
+    kw = problem(torch.float32)
+    lo, hi = torch.tensor(0.0), torch.tensor(1.5)
+    _run(kw, dt_limit=(lo, hi)), _run(kw, dt_limit=(lo, hi))
+    hi.fill_(0.05)                                      # a bound changed in place
+    got, _ = _run(kw, dt_limit=(lo, hi))
+    expected = ssd_sequential(**f64(kw), dt_softplus=True, dt_limit=(0.0, 0.05))
+    assert not runs and rel_err(got, expected) < TOL[torch.float32]
+    monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "0")           # (the tests' setting)
+    _run(kw), _run(kw)
+    runs.clear()
+    monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "table")
+    _run(kw)
+    assert not runs and {k[1][-1] for k in replay._REPLAYS} >= {"off", "table"}
 
 
 def test_a_call_that_needs_a_gradient_is_not_replayed(monkeypatch):

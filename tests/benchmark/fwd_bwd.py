@@ -47,6 +47,8 @@ def measure(impl, chunk, inputs, dout):
     torch.cuda.synchronize()
     first = time.perf_counter() - start
     grads = {k: leaves[k].grad.float().clone() for k in LEAVES}
+    for t in leaves.values():
+        t.grad = None                   # the step's gradients count in its peak
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     step()

@@ -34,30 +34,27 @@ the points it lacks (a model with all of them is skipped); without it ``--out`` 
 At the end a table: per model, each implementation at its best chunk and cutile's speedup over
 triton and over tilegym (their time / cutile's, each at its best chunk).
 
-On the H200 (mamba_ssm and TileGym installed), two commands, each well inside 10 minutes:
+The committed ``results/models_h200.csv`` was made on the H200 (mamba_ssm and TileGym installed)
+with the committed table of tuned configs (no search: what a user's first call gets), this
+project at chunks 128 and 256, two models per command (each well inside 10 minutes):
 
-    timeout -k 10 540 python -m tests.benchmark.models --warm --warm-procs 16
-    mkdir -p bench_out && timeout -k 15 570 python -m tests.benchmark.models --resume \\
-        --out tests/benchmark/results/models_h200.csv --slices .cache/bench/models_slices \\
-        --task-timeout 240 2>&1 | tee -a bench_out/models_h200.log
+    export MAMBA2_CUTILE_AUTOTUNE=table
+    python -m tests.benchmark.models --warm --impls tilegym --warm-procs 16 \
+        --models mamba2-130m-train mamba2-2.7b-train                     # 70 s
+    python -m tests.benchmark.models --resume --out models_a.csv --impl-chunks cutile=128:256 \
+        --task-timeout 200 --models mamba2-130m-train mamba2-2.7b-train  # 260 s
+    (the same for mamba2-2.7b-prefill and 8b-hybrid-layer: 21 s, then 206 s; the two CSVs
+    concatenated)
 
-The first compiles, in one pool of processes, every search-space config of this project's three
-kernels at chunks 64, 128 and 256 for the four shapes (``warm_compile.py`` with each model's
-``--batch --seqlens --nheads --ngroups``) and TileGym's configs at chunk 64, into cuTile's disk
-cache; without it, tuning one cutile point compiles its ~100 candidates one at a time (minutes a
-point). The second is the benchmark; if ``timeout`` stops it, the rows measured are kept: run
-the same command again and it continues. As run_h200.sh does, MAMBA2_CUTILE_AUTOTUNE=1 (cutile is
-the autotuned forward, searched per shape), TRITON_CACHE_AUTOTUNING=1 and
-MAMBA2_CUTILE_AUTOTUNE_CACHE=.cache/bench/cutile_autotune.json are set unless set already.
-
-Estimated times (not yet measured; from run_h200.sh's measurements: ~10 s to start a worker, a
-timed point ~1 s once tuned): the warm step ~2-4 min (about 1,200 launches of our variants, and
-4 x ~115 TileGym configs, on 16 processes; what it compiled stays in the cache, so a run cut
-short by ``timeout`` is continued by running it again). The benchmark ~1.5 min
-a model, ~6-7 min in all: three worker starts (~30 s), autotuning after the warm step (cutile
-~5-15 s a point, 12 points; Triton 10-30 s per chunk on the first model, then mostly from its
-disk cache; TileGym's exhaustive search over its configs at chunk 64, ~10 s), and ~1 s per timed
-point.
+The warm step compiles TileGym's configs at chunk 64 for the shapes, in one pool of processes,
+into cuTile's disk cache (``warm_compile.py`` with each model's ``--batch --seqlens --nheads
+--ngroups``), so that TileGym's exhaustive autotuning times its configs without compiling each.
+With ``--impls`` including cutile it also compiles every search-space config of this project's
+kernels, which a search (``MAMBA2_CUTILE_AUTOTUNE=1``, the default here, as run_h200.sh sets it)
+needs: without it, tuning one cutile point compiles its ~100 candidates one at a time. If
+``timeout`` stops a run, the rows measured are kept: run the same command again and it
+continues. TRITON_CACHE_AUTOTUNING=1 and MAMBA2_CUTILE_AUTOTUNE_CACHE=.cache/bench/
+cutile_autotune.json are set unless set already.
 """
 import argparse
 import csv
