@@ -3,31 +3,59 @@
 The gradients flow back through the forward's steps in reverse (``reference/backward.py`` is
 the specification, step by step, and names the same quantities):
 
-    recompute          kernel_forward without D and z      -> y, dt_out, dA_cumsum, entry states
-    gate and skip      out = (y + D x) * silu(z)           -> dy, dx (skip), dD, dz   (PyTorch,
-                                                              elementwise, float32)
-    (c) bwd_compute_out    dy -> dx, dB, dC (each summed over its group's heads), ddt_out,
-                           ddA_cumsum, dentry                               (two launches)
+    recompute          chunk_cumsum, fwd_pass_state (and compute_out only when dz needs y)
+                                                           -> dt_out, dA_cumsum, entry states (, y)
+    gate and skip      out = (y + D x) * silu(z)           -> dy, dD, dz      (PyTorch, float32,
+                                                              over slices of the tokens)
+    (c) bwd_compute_out    its dentry launch: dy -> dentry
     (b) bwd_pass_state     dentry, dfinal -> dS, ddA_cumsum at each chunk's last token,
                            dinitial                          (the chunks in reverse order)
-        bwd_chunk_states   dS -> dx, dB per head, ddt_out, ddA_cumsum
+    (c) bwd_compute_out    its token launch: dy -> dx, dB, dC (each summed over its group's
+                           heads), ddt_out, ddA_cumsum
+        bwd_chunk_states   dS -> dx, dB (summed over its group's heads), ddt_out, ddA_cumsum,
+                           added into compute_out's float32 dx, ddt_out, ddA_cumsum
     (a) bwd_chunk_cumsum   ddt_out, ddA_cumsum (the three steps' contributions summed)
                            -> ddt, dA, ddt_bias
 
-and the host adds the contributions: dx = compute_out's + chunk_states' + the skip's; dB =
-compute_out's + chunk_states' summed over each group's heads; dA and ddt_bias are the cumsum
-kernel's per-chunk partials summed. Every sum runs in a fixed order (no atomics), so the
-gradients are bitwise reproducible.
+and the host adds what remains: dx += the skip's dy D (in place); dB = compute_out's +
+chunk_states'; dA and ddt_bias are the cumsum kernel's per-chunk partials summed. Every sum runs
+in a fixed order (no atomics), so the gradients are bitwise reproducible.
+
+Memory (bytes beyond the inputs and dout, at batch 8 x 2K tokens, 80 heads of 64 x 128, 1 group,
+bf16, chunk 256 (128 where it differs), D, no z; ``memory_accounting`` computes them for any shape
+and ``tests/test_backward_kernels.py`` checks them)
+    Before, alive together at the end (dx's sums), 3.18 GB (3.6 GB at chunk 128; measured on an
+    H200 as a training step's peak: 3.2 and 3.7 GB, against 0.54 GB for mamba_ssm's Triton):
+        dB per head from chunk_states, float32 (b, L, h, n)                      671 MB
+        dx's float32 partials dx_c, dx_s, dx_skip and the two sums (b, L, h, p)   5 x 336 MB
+        dy in x's dtype (a copy of dout) 168 MB (and before it, in float32, 336 MB, with the
+        float32 copies of dout and x and their product in the gate: 4 x 336 MB at once)
+        the recomputed y, never read without z 168 MB; the final state 21 MB
+        entry states (b, c, h, p, n) bf16 84 MB (168); dentry and dS float32 168 + 168 MB
+        (336 + 336); ddt/ddA partials of both kernels and their sums (b, h, c, l) 4 x 5 MB
+        and the operator's float32 results, then their bf16 copies (dx 168 MB).
+    After, 541 MB at the peak (compute_out's token launch; 709 MB at chunk 128; 877 MB with z,
+    whose dz and dy in x's dtype add 2 x 168 MB):
+        compute_out's float32 dx 336 MB, the one float32 dx: chunk_states adds into it and the
+        skip's term is added in place; returned in x's dtype (168 MB, the float32 one freed)
+        dS 84 MB (168), stored in bf16 for bf16 inputs (the products round it so anyway)
+        entry states 84 MB (168), freed after compute_out's token launch
+        dentry 168 MB (336), freed after the pass, before dx exists
+        dB, dC (b, L, g, n) 8 MB each, chunk_states' head-split partials 5 x 8 MB
+        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5 MB
+        dy: dout itself (without z); the gate's float32 temporaries: ~16 MB slices
+        y not computed without z; no float32 copy of dout, x or dy.
+    (Not yet measured on a GPU; ``test_peak_memory_on_gpu`` bounds it at a smaller shape.)
 
 Saved and recomputed
-    The operator saves only its inputs. The backward runs the three forward kernels once more,
-    without D and z: their output is then the pre-gate y (the one forward value the gate's
-    gradient dz needs; D x is added on the host), and their intermediates dt_out, dA_cumsum
-    (log2 units, as the backward kernels read it) and the entry states (in the forward's state
-    dtype, so the backward sees the values the forward's compute_out read). That costs one
-    forward pass (three launches; compute_out's y is not read when z is None or needs no
-    gradient), and no memory between the passes. When only D and z want gradients the backward
-    kernels do not run; for D alone nothing is recomputed (dD reads dout, z and x).
+    The operator saves only its inputs. The backward runs the forward kernels once more,
+    without D and z, for their intermediates dt_out, dA_cumsum (log2 units, as the backward
+    kernels read it) and the entry states (in the forward's state dtype, so the backward sees
+    the values the forward's compute_out read); compute_out runs too only when dz is wanted: its
+    output is then the pre-gate y (the one forward value dz needs; D x is added on the host).
+    That costs at most one forward pass, and no memory between the passes. When only D and z
+    want gradients the backward kernels do not run; for D alone nothing is recomputed (dD reads
+    dout, z and x).
 
 The backward kernels return ddA_cumsum in natural-log units (from dA_cumsum in log2 units), so
 their contributions add directly, and the cumsum kernel takes them so.
@@ -35,8 +63,8 @@ their contributions add directly, and the cumsum kernel takes them so.
 Inputs arrive from the operator (``backward_op`` below) as the forward's do: each tensor as
 ``ops.torch_op.as_kernel_input`` gives it, seq_idx int32. The backward kernels read x, B, C,
 dt and the gradients contiguous (copied here where a view is passed). ``configs`` maps a forward
-kernel's name (``ops.forward.KERNELS``) or "bwd_compute_out" (the one backward kernel with
-configs: ``ops/bwd_compute_out.py``) to its config; a missing one takes the default.
+kernel's name (``ops.forward.KERNELS``) or a backward kernel's (``BACKWARD_CONFIGS``: each
+module's ``default_config`` / ``search_space``) to its config; a missing one takes the default.
 """
 import math
 from typing import Optional
@@ -46,8 +74,9 @@ import torch
 from . import forward as forward_module
 from .bwd_chunk_cumsum import bwd_chunk_cumsum
 from .bwd_chunk_states import bwd_chunk_states
-from .bwd_compute_out import bwd_compute_out
+from .bwd_compute_out import bwd_compute_out_plan
 from .bwd_pass_state import bwd_pass_state
+from .launch import run
 from .utils import as_int32
 
 Tensor = torch.Tensor
@@ -55,27 +84,175 @@ Tensor = torch.Tensor
 # The inputs that have a gradient, in the operator's order, and those the four kernels give.
 INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
-BACKWARD_CONFIGS = ("bwd_compute_out",)
+BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
+
+# The elementwise gate and skip run over slices of at most this many (token x head x headdim)
+# elements: their float32 temporaries stay ~16 MB each instead of x's size in float32.
+SLICE_ELEMENTS = 1 << 22
 
 
-def gate_and_skip_backward(dout, y, x, D=None, z=None, want_dD=True, want_dz=True):
-    """out = (y + D x) * silu(z), in float32 -> (dy, dx from the skip or None, dD or None, dz
-    or None), as ``reference.backward.gate_and_skip_backward``; y is read only for dz."""
-    f32 = lambda t: None if t is None else t.float()
-    dout, x, D, z = f32(dout), f32(x), f32(D), f32(z)
-    dy, dz, dx, dD = dout, None, None, None
-    D_full = None if D is None else (D[:, None] if D.dim() == 1 else D)
-    if z is not None:
-        sig = torch.sigmoid(z)
-        if want_dz:
-            skip = y.float() if D is None else y.float() + x * D_full
-            dz = dout * skip * sig * (1 + z * (1 - sig))                 # d silu(z) / dz
-        dy = dout * z * sig
-    if D is not None:
+def token_slices(batch, seqlen, width):
+    """(batch element, token range) slices of a (batch, seqlen, ...) tensor of ``width``
+    elements per token, each of at most ``SLICE_ELEMENTS`` elements (one token at least), in
+    order."""
+    step = max(1, SLICE_ELEMENTS // max(width, 1))
+    return [(b, slice(t, min(t + step, seqlen))) for b in range(batch)
+            for t in range(0, seqlen, step)]
+
+
+def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size,
+                      dtype=torch.bfloat16, states_dtype=None, z=False, initial_states=False):
+    """The bytes of the tensors ``kernel_backward`` (with ``input_dtypes=True``, as the operator
+    calls it) holds beyond its inputs and dout at each of its steps, with the default configs,
+    as this module's docstring lists them: a dict of step -> {tensor: bytes}, and "peak" ->
+    (step, bytes). Inputs are taken contiguous (views are copied, and dout in x's dtype:
+    otherwise dy is a copy of it). Every tensor is counted, the (b, h, c, l) ones too."""
+    from .bwd_chunk_states import default_config as states_config
+    from .bwd_compute_out import default_config as out_config
+    f32, e = 4, torch.empty((), dtype=dtype).element_size()
+    se = torch.empty((), dtype=states_dtype or dtype).element_size()
+    se = se if (states_dtype or dtype) in (dtype, torch.float32) else f32   # widened
+    shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups,
+                 dstate=dstate, chunk_size=chunk_size)
+    nchunks = -(-seqlen // chunk_size)
+    tokens = batch * seqlen * nheads * headdim
+    states = batch * nchunks * nheads * headdim * dstate
+    chunked = batch * nheads * nchunks * chunk_size * f32          # a (b, h, c, l) tensor
+    groups = batch * seqlen * ngroups * dstate * f32                # a (b, L, g, n) tensor
+    final = batch * nheads * headdim * dstate * f32
+    per_group = nheads // ngroups
+    out_splits = per_group // out_config(**shape)["HEADS_PER_BLOCK"]
+    st_cfg = states_config(**shape)
+    st_splits = per_group // st_cfg["HEADS_PER_BLOCK"]
+    width = nheads * headdim
+    slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
+    ds = e if dtype == torch.bfloat16 else f32
+    base = {"dt_out, dA_cumsum": 2 * chunked}
+    kept = {"dz": tokens * e} if z else {}
+    dy = {"dy (x's dtype)": tokens * e} if z else {}          # else dout itself
+    dinit = {"dinitial": final} if initial_states else {}
+    recompute = {**base, "entry states": states * se, "final state": final}
+    if z:
+        recompute["y (pre-gate)"] = tokens * e
+    gate = {**base, **kept, **dy, "entry states": states * se,
+            "float32 temporaries (<= 5 slices)": 5 * slice_bytes}
+    if z:
+        gate["y (pre-gate)"] = tokens * e
+    split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
+    steps = {
+        "recompute": recompute,
+        "gate and skip": gate,
+        "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se,
+                                 "dentry": states * f32},
+        "pass_state": {**base, **kept, **dy, **dinit, "entry states": states * se,
+                       "dentry": states * f32, "dS": states * ds,
+                       "d dA[last] partials": chunked // chunk_size * 2},
+        "compute_out's tokens": {**base, **kept, **dy, **dinit, "entry states": states * se,
+                                 "dS": states * ds, "dx (float32)": tokens * f32,
+                                 "ddt_out, ddA": 2 * chunked,
+                                 "dB, dC partials": 2 * out_splits * groups,
+                                 "dB (their sum), while dC's partials are summed":
+                                     2 * split_sum(out_splits)},
+        "chunk_states": {**base, **kept, **dinit, "dS": states * ds, "dx (float32)": tokens * f32,
+                         "ddt_out, ddA": 2 * chunked, "dB, dC": 2 * groups,
+                         "dB partials": st_splits * groups + split_sum(st_splits),
+                         "ddA tiles": chunked // st_cfg["BLOCK_T"]},
+        "dx in x's dtype": {**base, **kept, **dinit, "dx (float32)": tokens * f32,
+                            "dx": tokens * e if e != f32 else 0, "dB, dC": 2 * groups,
+                            "ddt (b, L, h)": batch * seqlen * nheads * f32},
+    }
+    totals = {k: sum(v.values()) for k, v in steps.items()}
+    top = max(totals, key=totals.get)
+    return {**steps, "peak": (top, totals[top])}
+
+
+def _recompute(x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus,
+               dt_limit, configs, states_dtype, need_y):
+    """The forward's intermediates (dt_out, dA_cumsum, entry states) and, when ``need_y``, its
+    pre-gate output y (else None). Without y only chunk_cumsum and fwd_pass_state run: their
+    launches as ``kernel_forward`` makes them (the same configs, tuned or given), compute_out
+    (the forward's costliest kernel) skipped."""
+    fwd_configs = {k: v for k, v in configs.items() if k in forward_module.KERNELS}
+    if need_y:
+        y, _, (dt_out, dA_cumsum, entry) = forward_module.kernel_forward(
+            x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, configs=fwd_configs,
+            states_dtype=states_dtype, return_intermediates=True)
+        return dt_out, dA_cumsum, entry, y
+    # kernel_forward's first two steps, as it describes the call (D and z absent).
+    batch, seqlen, nheads, headdim = x.shape
+    states_dtype = states_dtype or x.dtype
+    shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=B.shape[2],
+                 dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype,
+                 states_dtype=states_dtype, on_gpu=x.is_cuda)
+    features = ("s" if seq_idx is not None else "") + ("i" if initial_states is not None else "")
+    stream = torch.cuda.current_stream() if x.is_cuda else None
+    cumsum_args = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    cfg = forward_module._config(
+        "chunk_cumsum", fwd_configs, shape, features,
+        lambda c: forward_module.chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
+    dt_out, dA_cumsum = forward_module._run_step("chunk_cumsum", (dt, A, chunk_size),
+                                                 cumsum_args, cfg, stream)
+    state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=states_dtype)
+    cfg = forward_module._config(
+        "fwd_pass_state", fwd_configs, shape, features,
+        lambda c: forward_module.fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
+    entry, _final = forward_module._run_step("fwd_pass_state", (x, B, dt_out, dA_cumsum),
+                                             state_args, cfg, stream)
+    return dt_out, dA_cumsum, entry, None
+
+
+def _skip_dy(dout, z, sl):
+    """dy = dout * silu'(z) factor (dout * z * sigmoid(z)), or dout, in float32 for one slice."""
+    d = dout[sl].float()
+    if z is None:
+        return d
+    zs = z[sl].float()
+    return d * zs * torch.sigmoid(zs)
+
+
+def gate_and_skip_backward(dout, y, x, D=None, z=None, want_dD=True, want_dz=True,
+                           want_dy=True, dz_dtype=torch.float32):
+    """out = (y + D x) * silu(z), in float32 -> (dy in x's dtype (contiguous; the kernels'
+    operand) or None, dD (float32) or None, dz (in ``dz_dtype``) or None), as
+    ``reference.backward.gate_and_skip_backward``; y is read only for dz. The skip's dx (dy D)
+    is not formed here: ``kernel_backward`` adds it into the kernels' float32 dx.
+
+    The arithmetic runs in float32 over ``token_slices`` (a few slice-sized temporaries, not
+    x-sized float32 tensors); dD sums the slices' partial sums in order (reproducible)."""
+    batch, seqlen = x.shape[:2]
+    D_full = None if D is None else (D.float()[:, None] if D.dim() == 1 else D.float())
+    want_dD = want_dD and D is not None
+    want_dz = want_dz and z is not None
+    dy = dz = dD = None
+    if want_dy:
+        if z is None:
+            dy = dout.to(x.dtype).contiguous()   # dout itself when it is contiguous in x's dtype
+        else:
+            dy = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if want_dz:
+        dz = torch.empty(z.shape, dtype=dz_dtype, device=z.device)
+    if want_dD:
+        dD = torch.zeros(D.shape, dtype=torch.float32, device=D.device)
+    if not (want_dD or want_dz or (want_dy and z is not None)):
+        return dy, dD, dz
+    for sl in token_slices(batch, seqlen, x[0, 0].numel()):
+        d = dout[sl].float()
+        if z is not None:
+            zs = z[sl].float()
+            sig = torch.sigmoid(zs)
+            if want_dz:
+                skip = y[sl].float() if D is None else y[sl].float() + x[sl].float() * D_full
+                dz[sl] = d * skip * sig * (1 + zs * (1 - sig))          # d silu(z) / dz
+                del skip
+            d = d * zs * sig
+            del zs, sig
+            if want_dy:
+                dy[sl] = d
         if want_dD:
-            dD = (dy * x).sum((0, 1, 3)) if D.dim() == 1 else (dy * x).sum((0, 1))
-        dx = dy * D_full
-    return dy, dx, dD, dz
+            prod = d * x[sl].float()
+            dD += prod.sum((0, 2)) if D.dim() == 1 else prod.sum(0)
+    return dy, dD, dz
 
 
 def _check(dout, dfinal, x, B, configs, wanted, given):
@@ -99,10 +276,13 @@ def _check(dout, dfinal, x, B, configs, wanted, given):
 
 def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                     initial_states=None, seq_idx=None, dt_softplus=False,
-                    dt_limit=(0.0, math.inf), configs=None, states_dtype=None, wanted=None):
+                    dt_limit=(0.0, math.inf), configs=None, states_dtype=None, wanted=None,
+                    input_dtypes=False):
     """Gradients of ``kernel_forward``'s (out, final_states) with respect to its inputs, like
     ``reference.backward.ssd_chunked_backward``: a dict with dx, ddt, dA, dB, dC and, for the
-    inputs given, dD, dz, ddt_bias, dinitial_states, all float32.
+    inputs given, dD, dz, ddt_bias, dinitial_states, all float32 (``input_dtypes=True``: each in
+    its input's dtype, as autograd returns them, each rounded once from its float32 value and
+    converted as soon as it is complete, so that its float32 buffer goes early).
 
     ``dout`` (b, L, h, p) and ``dfinal`` (b, h, p, n): the loss' gradients with respect to the
     outputs (either may be None: zero; any strides). ``states_dtype``: the forward's entry
@@ -117,25 +297,25 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     _check(dout, dfinal, x, B, configs, wanted, given)
     run_kernels = bool(wanted & set(KERNEL_INPUTS))
     need_y = z is not None and "z" in wanted
-    batch, seqlen, nheads, headdim = x.shape
-    ngroups, dstate = B.shape[2], B.shape[3]
+    out_dtype = (lambda name: given[name].dtype) if input_dtypes else (lambda name: torch.float32)
+    batch, seqlen = x.shape[:2]
     seq_idx = None if seq_idx is None else as_int32(seq_idx).contiguous()
     # dout from autograd may be an expanded tensor (a sum's ones) or absent (an unused output).
     dout = torch.zeros_like(x) if dout is None else dout
+    poison = forward_module.POISON_OUTPUTS
 
     y = dt_out = dA_cumsum = entry = None
     if run_kernels or need_y:
-        fwd_configs = {k: v for k, v in configs.items() if k in forward_module.KERNELS}
-        y, _, (dt_out, dA_cumsum, entry) = forward_module.kernel_forward(
-            x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, configs=fwd_configs,
-            states_dtype=states_dtype, return_intermediates=True)
-
-    dy, dx_skip, dD, dz = gate_and_skip_backward(dout, y, x, D, z, want_dD="D" in wanted,
-                                                 want_dz=need_y)
+        dt_out, dA_cumsum, entry, y = _recompute(
+            x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
+            configs, states_dtype, need_y)
+    dy, dD, dz = gate_and_skip_backward(dout, y, x, D, z, want_dD="D" in wanted, want_dz=need_y,
+                                        want_dy=run_kernels,
+                                        dz_dtype=out_dtype("z") if need_y else torch.float32)
+    del y                                      # read only for dz
     grads = {}
     if dD is not None:
-        grads["dD"] = dD
+        grads["dD"] = dD.to(out_dtype("D"))
     if dz is not None:
         grads["dz"] = dz
     if not run_kernels:
@@ -146,32 +326,52 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     if entry.dtype not in (x.dtype, torch.float32):
         entry = entry.float()
     x_, B_, C_, dt_ = x.contiguous(), B.contiguous(), C.contiguous(), dt.contiguous()
-    dy = dy.to(x.dtype).contiguous()           # the kernels' operand dtype (exact for float32)
     dfinal = None if dfinal is None else dfinal.float().contiguous()
+    out_inputs = (dy, x_, B_, C_, dt_out, dA_cumsum, entry, seq_idx)
+    co_config = configs.get("bwd_compute_out")
 
-    dx_c, dB_c, dC, ddt_c, ddA_c, dentry = bwd_compute_out(
-        dy, x_, B_, C_, dt_out, dA_cumsum, entry, seq_idx,
-        poison=forward_module.POISON_OUTPUTS, config=configs.get("bwd_compute_out"))
+    # compute_out's dentry first, the pass over the states, then compute_out's token kernel:
+    # dentry is freed before the token kernel's float32 dx exists (see "Memory").
+    dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,
+                                       launches="entry"))
+    # bf16 inputs: chunk_states rounds dS to bf16 for its products, so dS is stored so.
+    ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     dS, ddA_last, dinitial = bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx,
-                                            poison=forward_module.POISON_OUTPUTS)
-    dx_s, dB_s, ddt_s, ddA_s = bwd_chunk_states(dS, x_, B_, dt_out, dA_cumsum, seq_idx,
-                                                poison=forward_module.POISON_OUTPUTS)
-    ddA = ddA_c + ddA_s
+                                            poison=poison, config=configs.get("bwd_pass_state"),
+                                            ds_dtype=ds_dtype)
+    del dentry
+    dx, dB_parts, dC_parts, ddt, ddA = run(bwd_compute_out_plan(
+        *out_inputs, poison=poison, config=co_config, launches="tokens"))
+    del entry, out_inputs, dy                  # (dy: dout itself without z)
+    # the head splits' partials, added in a fixed order (one split: the kernel's own sums)
+    dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
+    del dB_parts
+    dC = dC_parts[0] if dC_parts.shape[0] == 1 else dC_parts.sum(0)
+    del dC_parts
+    # chunk_states adds its dx, ddt_out and ddA_cumsum into compute_out's (no second dx)
+    dx, dB_s, ddt, ddA = bwd_chunk_states(dS, x_, B_, dt_out, dA_cumsum, seq_idx, poison=poison,
+                                          config=configs.get("bwd_chunk_states"),
+                                          accumulate=(dx, ddt, ddA))
+    del dS
+    dB += dB_s                                 # chunk_states' dB, summed over the group's heads
     ddA[..., -1] += ddA_last                   # the pass' term, at each chunk's last token
-    ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt_c + ddt_s, ddA, dt_, A.contiguous(),
+    ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt, ddA, dt_, A.contiguous(),
                                          None if dt_bias is None else dt_bias.contiguous(),
-                                         dt_softplus, dt_limit,
-                                         poison=forward_module.POISON_OUTPUTS)
-    dx = dx_c + dx_s
-    if dx_skip is not None:
-        dx = dx + dx_skip
-    # chunk_states' dB is per head: summed over each group's heads in order (a fixed reduction)
-    dB = dB_c + dB_s.reshape(batch, seqlen, ngroups, nheads // ngroups, dstate).sum(3)
-    grads.update(dx=dx, ddt=ddt, dA=dA, dB=dB, dC=dC)
+                                         dt_softplus, dt_limit, poison=poison,
+                                         config=configs.get("bwd_chunk_cumsum"))
+    del ddA
+    if D is not None:
+        # the skip's dx, dy D (dy in float32, before its rounding for the kernels), added in place
+        D_full = D.float()[:, None] if D.dim() == 1 else D.float()
+        for sl in token_slices(batch, seqlen, x[0, 0].numel()):
+            dx[sl] += _skip_dy(dout, z, sl) * D_full
+    grads.update(dx=dx.to(out_dtype("x")), ddt=ddt.to(out_dtype("dt")), dA=dA.to(out_dtype("A")),
+                 dB=dB.to(out_dtype("B")), dC=dC.to(out_dtype("C")))
+    del dx
     if dt_bias is not None:
-        grads["ddt_bias"] = ddt_bias
+        grads["ddt_bias"] = ddt_bias.to(out_dtype("dt_bias"))
     if initial_states is not None:
-        grads["dinitial_states"] = dinitial
+        grads["dinitial_states"] = dinitial.to(out_dtype("initial_states"))
     return grads
 
 
@@ -180,8 +380,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
 # torch.compile traces the forward operator's registered backward (ops/torch_op.py) into the
 # backward graph, and cannot trace the kernels' launches: so the kernels' backward is an opaque
 # operator too, ``torch.ops.mamba2_cutile.ssd_backward``, whose fake gives the gradients' shapes.
-# It returns one tensor per input of ``INPUTS``, float32, and an empty one for each input that is
-# not given or whose gradient is not wanted.
+# It returns one tensor per input of ``INPUTS``, in that input's dtype (``input_dtypes``: rounded
+# once from float32, as autograd would, but without a float32 copy of dx alive beside it), and an
+# empty float32 one for each input that is not given or whose gradient is not wanted.
 
 def _gradient_shapes(x, dt, A, B, C, D, z, dt_bias, initial_states, wanted):
     inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
@@ -208,7 +409,7 @@ def backward_op(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt:
     g = kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                         initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
                         dt_limit=(dt_min, dt_max), states_dtype=state_dtype or x.dtype,
-                        wanted=names)
+                        wanted=names, input_dtypes=True)
     return [g["d" + n] if n in names else x.new_empty((0,), dtype=torch.float32)
             for n in INPUTS]
 
@@ -216,5 +417,7 @@ def backward_op(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt:
 @backward_op.register_fake
 def _(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *,
       chunk_size, dt_softplus, dt_min, dt_max, state_dtype, wanted):
-    shapes = _gradient_shapes(x, dt, A, B, C, D, z, dt_bias, initial_states, wanted)
-    return [x.new_empty(s, dtype=torch.float32) for s in shapes]
+    inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    shapes = _gradient_shapes(*inputs, wanted)
+    return [x.new_empty(s, dtype=t.dtype if s != (0,) else torch.float32)
+            for s, t in zip(shapes, inputs, strict=True)]

@@ -420,11 +420,18 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
 
 
 def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
-                         poison=False, config=None):
+                         poison=False, config=None, launches="both"):
     """The launch (an ``ops.launch.Plan``): its ``before`` is the dentry kernel's launch; its
     outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum
     and dentry. ``config``: a dict from ``search_space`` (or part of one; missing keys take
-    ``default_config``'s values for this shape)."""
+    ``default_config``'s values for this shape).
+
+    ``launches="entry"`` gives the dentry kernel's plan alone (outputs (dentry,)), ``"tokens"``
+    the token kernel's alone (outputs all but dentry, none allocated for it): ``ops/backward.py``
+    runs the pass over the states between the two, so that dentry is freed before the token
+    kernel's float32 dx is allocated."""
+    if launches not in ("both", "entry", "tokens"):
+        raise ValueError(f"launches must be 'both', 'entry' or 'tokens', got {launches!r}")
     _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx)
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
@@ -444,26 +451,31 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
             raise ValueError(f"{name} ({v}) must be a power of two in [16, {tile_size(size)}]")
     splits = (nheads // ngroups) // hb
     device = x.device
+    seq_idx = as_int32(seq_idx)
+    seq_arg = seq_idx if seq_idx is not None else dt_out     # never read without seq_idx
+    bf16 = x.dtype == torch.bfloat16
+    entry_plan = None
+    if launches != "tokens":
+        dentry = new_output(entry_states.shape, torch.float32, device, poison)
+        entry_args = (dy, C, dA_cumsum, seq_arg, dentry, nheads // ngroups, chunk_size, bt, bp,
+                      bn, seq_idx is not None, bf16)
+        entry_plan = Plan((nchunks * nheads * cdiv(headdim, bp) * cdiv(dstate, bn), batch),
+                          fit_index_width(bwd_entry_kernel, entry_args, cfg["INDEX64"]),
+                          entry_args, (dentry,))
+        if launches == "entry":
+            return entry_plan
     dx = new_output(x.shape, torch.float32, device, poison)
     dB_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
     dC_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
     ddt = new_output(dt_out.shape, torch.float32, device, poison)
     ddA = new_output(dt_out.shape, torch.float32, device, poison)
-    dentry = new_output(entry_states.shape, torch.float32, device, poison)
-    seq_idx = as_int32(seq_idx)
-    seq_arg = seq_idx if seq_idx is not None else dt_out     # never read without seq_idx
-    bf16 = x.dtype == torch.bfloat16
-
-    entry_args = (dy, C, dA_cumsum, seq_arg, dentry, nheads // ngroups, chunk_size, bt, bp, bn,
-                  seq_idx is not None, bf16)
-    entry_plan = Plan((nchunks * nheads * cdiv(headdim, bp) * cdiv(dstate, bn), batch),
-                      fit_index_width(bwd_entry_kernel, entry_args, cfg["INDEX64"]), entry_args,
-                      (dentry,))
     args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
             ddA, nheads // ngroups, hb, chunk_size, bt, tile_size(headdim), tile_size(dstate),
             seq_idx is not None, bf16)
     kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
     grid = (nchunks * (chunk_size // bt) * ngroups * splits, batch)
+    if launches == "tokens":
+        return Plan(grid, kernel, args, (dx, dB_parts, dC_parts, ddt, ddA))
     return Plan(grid, kernel, args, (dx, dB_parts, dC_parts, ddt, ddA, dentry), (entry_plan,))
 
 

@@ -20,20 +20,29 @@ registers while it walks the chunks, here from the last to the first; blocks are
 The sum over the state for d a[c] spans the block's tile only: each block writes its partial
 sum, and the host adds the tiles' partials (a fixed order: the result is bitwise reproducible,
 no atomics). ``reference.backward.state_passing_backward`` is the specification.
+
+dS is written float32, or in another dtype (``ds_dtype``): ``ops/backward.py`` asks for bf16 with
+bf16 inputs, whose chunk_states products round dS to bf16 anyway (half the bytes, the same bits
+downstream). Tunables (``default_config`` / ``search_space``): the state tile BLOCK_P x BLOCK_N
+(``fwd_pass_state.pick_tiles`` by default), LOAD_LAT (latency hint of the dentry and entry
+loads), STORE_LAT (of the dS stores), and the compiler hints occupancy and num_worker_warps.
 """
 import torch
 
 import cuda.tile as ct
 
+from .configs import resolve_config, unique, with_hints
 from .fwd_pass_state import load_state, pick_tiles
 from .launch import Plan, fit_index_width, run
-from .utils import ZERO, ConstBool, ConstInt, as_int32, cdiv, new_output
+from .utils import (ZERO, ConstBool, ConstInt, as_int32, cdiv, is_pow2_in, latency_hint,
+                    multiprocessors, new_output, tile_size)
 
 
-def chunk_state_tile(array, b, c, h, pi, ni, BLOCK_P, BLOCK_N):
+def chunk_state_tile(array, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT=0):
     """Tile (pi, ni) of chunk c of a (batch, nchunks, nheads, headdim, dstate) array as float32
     (zero-padded); ``fwd_pass_state.load_state`` reads the (batch, nheads, ...) ones."""
-    t = ct.load(array, (b, c, h, pi, ni), shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO)
+    t = ct.load(array, (b, c, h, pi, ni), shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                latency=latency_hint(LOAD_LAT))
     return ct.reshape(t, (BLOCK_P, BLOCK_N)).astype(ct.float32)
 
 
@@ -44,7 +53,7 @@ def bwd_pass_state_kernel(
     entry: ct.IndexedWithInt64,        # (batch, nchunks, nheads, headdim, dstate), the forward's
     dA_cumsum: ct.IndexedWithInt64,    # (batch, nheads, nchunks, CHUNK) float32, log2 units
     seq_idx: ct.IndexedWithInt64,      # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
-    dS: ct.IndexedWithInt64,           # (batch, nchunks, nheads, headdim, dstate) float32
+    dS: ct.IndexedWithInt64,           # (batch, nchunks, nheads, headdim, dstate), ds_dtype
     da_parts,                          # (batch, nheads, nchunks, tiles) float32
     dinitial,                          # (batch, nheads, headdim, dstate) float32
     CHUNK: ConstInt,
@@ -52,6 +61,8 @@ def bwd_pass_state_kernel(
     BLOCK_N: ConstInt,
     HAS_DFINAL: ConstBool,
     HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,                # latency hint of the dentry and entry loads; 0 = none
+    STORE_LAT: ConstInt,               # latency hint of the dS stores; 0 = none
 ):
     tile_id, h, b = ct.bid(0), ct.bid(1), ct.bid(2)
     n_ptiles = ct.cdiv(entry.shape[3], BLOCK_P)
@@ -63,7 +74,9 @@ def bwd_pass_state_kernel(
         g = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     for i in range(nchunks):
         c = nchunks - 1 - i                                   # the chunks, last first
-        ct.store(dS, (b, c, h, pi, ni), ct.reshape(g, (1, 1, 1, BLOCK_P, BLOCK_N)))
+        ct.store(dS, (b, c, h, pi, ni),
+                 ct.reshape(g, (1, 1, 1, BLOCK_P, BLOCK_N)).astype(dS.dtype),
+                 latency=latency_hint(STORE_LAT))
         dA = ct.reshape(ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, CHUNK)), (CHUNK,))
         a = ct.exp2(ct.extract(dA, (CHUNK - 1,), shape=(1,)).item())
         if HAS_SEQ_IDX:
@@ -72,35 +85,81 @@ def bwd_pass_state_kernel(
             seq_start = ct.load(seq_idx, (b, max(c * CHUNK - 1, 0)), shape=())
             seq_start = ct.where(c == 0, 0, seq_start)       # id 0 before token 0
             a = ct.where(seq_end == seq_start, a, 0.0)
-        e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N)
+        e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
         ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
-        g = a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N)
+        g = a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
     ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
 
 
+# Configs and launching -------------------------------------------------------------------------
+
+def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
+    """The kernel as first written: ``pick_tiles``' tiles for the entry states' dtype (``dtype``,
+    x's, unless ``states_dtype`` says otherwise, as in ``ops.forward``), no hints."""
+    bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype or torch.float32)
+    return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
+                num_worker_warps=None)
+
+
+def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
+    """Variants worth timing (the default first, at most 14). Like the forward's pass, a block
+    walks every chunk with one float32 state tile in registers, latency-bound on its
+    chunk-by-chunk loads with few blocks: so the tiles (more, smaller blocks; 32-row tiles read
+    the same bytes), the long latency hints on the loads and the stores, and two blocks per
+    multiprocessor for tiles that give more blocks than multiprocessors."""
+    base = default_config(headdim=headdim, dstate=dstate, **shape)
+    tiles = [(base["BLOCK_P"], base["BLOCK_N"])]
+    for bp, bn in ((64, 128), (64, 64), (32, 128), (32, 64)):
+        bp, bn = min(bp, tile_size(headdim)), min(bn, tile_size(dstate))
+        if (bp, bn) not in tiles:
+            tiles.append((bp, bn))
+    configs = [{**base, "BLOCK_P": bp, "BLOCK_N": bn} for bp, bn in tiles]
+    configs += [{**base, "LOAD_LAT": 8}, {**base, "STORE_LAT": 8},
+                {**base, "LOAD_LAT": 8, "STORE_LAT": 8}, {**base, "num_worker_warps": 8}]
+    blocks = lambda bp, bn: batch * nheads * cdiv(headdim, bp) * cdiv(dstate, bn)
+    for bp, bn in tiles[1:]:
+        if blocks(bp, bn) > multiprocessors():
+            configs += [{**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": 2, "LOAD_LAT": lat}
+                        for lat in (0, 8)]
+    return unique(configs)
+
+
 def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=None,
-                        block_n=None, poison=False):
-    """The launch (an ``ops.launch.Plan``; outputs dS, the per-tile partials of d dA[last],
-    dinitial). ``dfinal`` may be None (a zero gradient)."""
+                        block_n=None, poison=False, config=None, ds_dtype=torch.float32):
+    """The launch (an ``ops.launch.Plan``; outputs dS (in ``ds_dtype``), the per-tile partials of
+    d dA[last], dinitial). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
+    ``search_space`` (or part of one; missing keys take ``default_config``'s values);
+    ``block_p`` / ``block_n``, when given, override its tiles."""
     batch, nchunks, nheads, headdim, dstate = entry.shape
     chunk_size = dA_cumsum.shape[3]
-    bp, bn = pick_tiles(headdim, dstate, entry.dtype, block_p, block_n)
+    cfg = resolve_config(config, default_config(headdim=headdim, dstate=dstate,
+                                                dtype=entry.dtype))
+    bp = min(block_p or cfg["BLOCK_P"], tile_size(headdim))
+    bn = min(block_n or cfg["BLOCK_N"], tile_size(dstate))
+    if not (is_pow2_in(bp, 1, 1024) and is_pow2_in(bn, 1, 1024)):
+        raise ValueError(f"BLOCK_P ({bp}) and BLOCK_N ({bn}) must be powers of two")
+    if ds_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"ds_dtype must be float32, bfloat16 or float16, got {ds_dtype}")
     tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
-    dS = new_output(entry.shape, torch.float32, entry.device, poison)
+    dS = new_output(entry.shape, ds_dtype, entry.device, poison)
     da_parts = new_output((batch, nheads, nchunks, tiles), torch.float32, entry.device, poison)
     dinitial = new_output((batch, nheads, headdim, dstate), torch.float32, entry.device, poison)
     seq_idx = as_int32(seq_idx)
     args = (dentry, dfinal if dfinal is not None else dinitial, entry, dA_cumsum,
             seq_idx if seq_idx is not None else dA_cumsum, dS, da_parts, dinitial,
-            chunk_size, bp, bn, dfinal is not None, seq_idx is not None)
-    return Plan((tiles, nheads, batch), fit_index_width(bwd_pass_state_kernel, args), args,
-                (dS, da_parts, dinitial))
+            chunk_size, bp, bn, dfinal is not None, seq_idx is not None, cfg["LOAD_LAT"],
+            cfg["STORE_LAT"])
+    kernel = with_hints(fit_index_width(bwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
+    return Plan((tiles, nheads, batch), kernel, args, (dS, da_parts, dinitial))
 
 
-def bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx=None, poison=False):
-    """-> (dS (b, c, h, p, n) float32, d dA_cumsum at each chunk's last token (b, h, c) float32,
-    in natural-log units like ``reference.backward.state_passing_backward``'s, dinitial
-    (b, h, p, n) float32). ``dA_cumsum`` in the kernels' log2 units."""
+def bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx=None, poison=False, config=None,
+                   ds_dtype=torch.float32):
+    """-> (dS (b, c, h, p, n) in ``ds_dtype`` (float32 by default), d dA_cumsum at each chunk's
+    last token (b, h, c) float32, in natural-log units like
+    ``reference.backward.state_passing_backward``'s, dinitial (b, h, p, n) float32).
+    ``dA_cumsum`` in the kernels' log2 units."""
     dS, da_parts, dinitial = run(bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx,
-                                                     poison=poison))
+                                                     poison=poison, config=config,
+                                                     ds_dtype=ds_dtype))
     return dS, da_parts.sum(-1), dinitial

@@ -23,9 +23,13 @@ Tolerances, relative in norm:
   bf16 states      float32 inputs, entry states stored in bf16 (state_dtype): the forward's own
                    rounding of the states, seen by dC and dz: observed 3e-4; bound 1e-3.
 """
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree
+import torch.utils._python_dispatch
 
 import ops.forward
 import ops.launch
@@ -220,3 +224,146 @@ def test_on_gpu(launched, dtype):
     again = gradients(fn, kw)
     for name in LEAVES:
         assert torch.equal(ours[name], again[name]), name
+
+
+# Configs by kernel name ---------------------------------------------------------------------------
+
+def test_backward_kernels_take_configs_by_name(launched):
+    """``kernel_backward``'s configs reach each backward kernel: other tiles, head splits and
+    hints than the defaults give the default's gradients (float32: other tile and head splits
+    sum dB, d dA[last], dA and ddt_bias in another order, a few ulps: 1e-5). An unknown kernel's
+    name is refused."""
+    from ops.backward import kernel_backward
+    kw = problem(seq=[20, 64])
+    dout = weights(kw).float()
+    args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
+    opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
+                seq_idx=kw["seq_idx"], **OPTIONS)
+    want = kernel_backward(*args, **opts)
+    configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1),
+               "bwd_pass_state": dict(BLOCK_P=16, BLOCK_N=16, LOAD_LAT=8),
+               "bwd_chunk_states": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, LOAD_LAT=8),
+               "bwd_chunk_cumsum": dict(BLOCK_H=2, STORE_LAT=8)}
+    got = kernel_backward(*args, **opts, configs=configs)
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-5, name
+    with pytest.raises(ValueError, match="unknown config keys"):
+        kernel_backward(*args, **opts, configs={"bwd_chunk_states": dict(BLOCK_M=16)})
+    with pytest.raises(ValueError, match="unknown kernels"):
+        kernel_backward(*args, **opts, configs={"bwd_chunk_state": {}})
+
+
+# Memory ---------------------------------------------------------------------------------------
+
+class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of the storages created (by any op) while it is active and still referenced by
+    a tensor, and their largest total: the host-visible allocations, as a GPU's caching
+    allocator sees them (the interpreter's own tile temporaries, made while ``paused``, are left
+    out: a GPU kernel allocates nothing). Storages of the op's own inputs (views, in-place ops
+    of tensors made before) are not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.current, self.peak, self.paused, self.at_peak = {}, 0, 0, False, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            leaves = lambda v: [t for t in torch.utils._pytree.tree_leaves(v)
+                                if isinstance(t, torch.Tensor)]
+            inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs))}
+            for t in leaves(out):
+                self._track(t, inputs)
+        return out
+
+    def _track(self, t, inputs):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or (key in inputs and key not in self.live):
+            return
+        if key not in self.live:
+            self.live[key] = [storage.nbytes(), 0, tuple(t.shape), t.dtype]
+            self.current += storage.nbytes()
+            if self.current > self.peak:
+                self.peak = self.current
+                self.at_peak = {k: (v[2], v[3], v[0]) for k, v in self.live.items()}
+        self.live[key][1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key):
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+
+@pytest.mark.parametrize("z", [False, True], ids=["no-z", "z"])
+def test_peak_memory_follows_the_accounting(monkeypatch, z):
+    """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x 32, D,
+    dt_bias) never exceed ``ops.backward.memory_accounting``'s peak, which they reach within 10%
+    (the accounting is not loose). The gate's slices are made small so that the full-size
+    tensors, not the slices' temporaries, are what is measured."""
+    import ops.backward as bwd
+    monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
+    shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=2, dstate=32, chunk_size=64)
+    kw = make_problem(**{k: v for k, v in shape.items() if k != "chunk_size"}, D="1d", z=z,
+                      initial_states=False, seed=1, dtype=torch.bfloat16)
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tracker = LiveTensors()
+    real = ops.launch.launch
+
+    def paused(*args, **kwargs):
+        tracker.paused = True
+        try:
+            return real(*args, **kwargs)
+        finally:
+            tracker.paused = False
+
+    monkeypatch.setattr(ops.launch, "launch", paused)
+    with tracker:
+        grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64,
+                                    D=kw["D"], z=kw.get("z"), dt_bias=kw["dt_bias"],
+                                    input_dtypes=True, **OPTIONS)
+    assert grads["dx"].dtype == torch.bfloat16 and grads["dB"].shape == kw["B"].shape
+    step, bound = bwd.memory_accounting(**shape, dtype=torch.bfloat16, z=z)["peak"]
+    described = sorted(tracker.at_peak.values(), key=lambda v: -v[2])
+    assert tracker.peak <= bound, (tracker.peak, bound, step, described)
+    assert tracker.peak >= 0.9 * bound, (tracker.peak, bound, step, described)
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_gpu():
+    """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16
+    heads of 64 x 128, 1 group, bf16, chunk 256, D, dt_bias, softplus: the memory allocated
+    beyond the inputs and dout stays under the forward's output and its gradients (out, the
+    gradients of x, B, C, dt in bf16) plus ``ops.backward.memory_accounting``'s peak, plus 8 MiB
+    for the allocator's rounding and the small tensors (before: dB per head, dx's float32
+    partials, dy in float32: ~4x that)."""
+    shape = dict(batch=2, seqlen=2048, nheads=16, headdim=64, ngroups=1, dstate=128)
+    kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
+                      dtype=torch.bfloat16, device="cuda")
+    leaves = {k: (v.detach().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+                  if v.is_floating_point() else v) for k, v in kw.items()}
+    dout = torch.randn_like(kw["x"])
+
+    def step():
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=256, dt_softplus=True,
+                                        backend="cutile")
+        out.backward(dout)
+
+    step()                                           # compile and tune outside the measurement
+    for t in leaves.values():
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    from ops.backward import memory_accounting
+    _, backward = memory_accounting(**shape, chunk_size=256, dtype=torch.bfloat16)["peak"]
+    outputs = 2 * kw["x"].numel() * 2 + 2 * kw["B"].numel() * 2 + kw["dt"].numel() * 2
+    bound = backward + outputs + 8 * 2**20
+    assert peak <= bound, (peak / 2**20, bound / 2**20)

@@ -7,6 +7,7 @@ sigmoid); observed ~1e-7.
 import pytest
 import torch
 
+from ops import bwd_chunk_cumsum as mod
 from ops.bwd_chunk_cumsum import bwd_chunk_cumsum, bwd_chunk_cumsum_plan
 from reference.backward import chunk_cumsum_backward
 from reference.problems import make_problem
@@ -52,3 +53,51 @@ def test_compiles(arch):
                                  meta(1, 16384, 80, dt=torch.bfloat16), meta(80), meta(80),
                                  dt_softplus=True)
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
+# Every config of the search space at one small shape, against the default ------------------------
+#
+# Each token's ddt is computed by one block whatever the config (the same float32 operations):
+# bit for bit. dA and ddt_bias sum a chunk's tokens inside a (BLOCK_H, CHUNK) tile, whose
+# reduction order may follow the tile's shape: a few float32 ulps, 1e-6.
+
+SHAPE = dict(nheads=20)
+LAYER = dict(nheads=80)
+
+
+@pytest.mark.parametrize("config", mod.search_space(**SHAPE)[1:],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_variant_matches_the_default(config):
+    kw = make_problem(batch=2, seqlen=77, nheads=20, headdim=8, ngroups=1, dstate=16,
+                      dtype=torch.float32, seed=9)
+    g = torch.Generator().manual_seed(4)
+    ddt_out, ddA = torch.randn(2, 20, 5, 16, generator=g), torch.randn(2, 20, 5, 16, generator=g)
+    args = (ddt_out, ddA, kw["dt"], kw["A"], kw["dt_bias"], True, (0.05, 0.5))
+    want = bwd_chunk_cumsum(*args, poison=True)
+    got = bwd_chunk_cumsum(*args, poison=True, config=config)
+    assert torch.equal(got[0], want[0])
+    for g_, w in zip(got[1:], want[1:], strict=True):
+        assert rel_err(g_, w) < 1e-6
+
+
+def test_search_space():
+    for shape in (SHAPE, LAYER):
+        space = mod.search_space(**shape)
+        assert space[0] == mod.default_config(**shape) and len(space) < 20
+    with pytest.raises(ValueError, match="BLOCK_H"):
+        bwd_chunk_cumsum_plan(*meta_args(), config=dict(BLOCK_H=12))
+
+
+def meta_args(batch=1, seqlen=16384):
+    meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
+    nchunks = seqlen // 256
+    return (meta(batch, 80, nchunks, 256), meta(batch, 80, nchunks, 256),
+            meta(batch, seqlen, 80, dt=torch.bfloat16), meta(80), meta(80))
+
+
+@pytest.mark.parametrize("config", mod.search_space(**LAYER),
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_search_space_compiles_for_sm_90(config):
+    from ops.tools.aot import compile_cubin
+    plan = bwd_chunk_cumsum_plan(*meta_args(8, 2048), dt_softplus=True, config=config)
+    assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"

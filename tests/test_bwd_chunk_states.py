@@ -1,16 +1,24 @@
 """ops/bwd_chunk_states.py (the gradients of each chunk's own state) against its specification,
-``reference.backward.chunk_states_backward`` in float64.
+``reference.backward.chunk_states_backward`` in float64, accumulating into given buffers, every
+config of its search space against the default, and its ahead-of-time compilation.
+
+The reference's dB is per head; it is summed over each group's heads (``_sum_groups``) to
+compare with the kernel's (b, L, g, n). Every output is NaN-poisoned first.
 
 Tolerances, relative in norm: float32 inputs 1e-5 (float32 products over a chunk; observed
 ~1e-7); bfloat16 inputs 1e-2 (dS is rounded to bf16 as a tensor-core operand, 8 bits, as the
-forward's products round theirs).
+forward's products round theirs). Variants against the default: float32 1e-5 (other token tiles
+and head splits sum dB and the last token's d dA in another order, a few ulps), bfloat16 4e-3
+(a last-bit difference before the bf16 rounding of an output moves it by one step, rarely; as
+in tests/kernel_helpers.py).
 """
 import pytest
 import torch
 
+from ops import bwd_chunk_states as mod
 from ops.bwd_chunk_states import bwd_chunk_states, bwd_chunk_states_plan
 from reference import chunked
-from reference.backward import chunk_states_backward
+from reference.backward import _sum_groups, chunk_states_backward
 from reference.common import LOG2E
 from reference.problems import make_problem
 from reference.validate import rel_err
@@ -18,15 +26,23 @@ from reference.validate import rel_err
 from .kernel_helpers import DEVICES
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-5}
+NAMES = ("dx", "dB", "ddt_out", "ddA")
 
 
-def problem(dtype, headdim=16, dstate=32, seq=True, seqlen=77):
-    kw = make_problem(batch=2, seqlen=seqlen, nheads=4, headdim=headdim, ngroups=2, dstate=dstate,
-                      dtype=dtype, seed=8, seq_boundaries=[16, 37] if seq else None)
-    dt_out, dA = chunked.chunk_cumsum(kw["dt"], kw["A"], 16, kw["dt_bias"], True, (0.0, 1.5))
+def problem(dtype, headdim=16, dstate=32, seq=True, seqlen=77, nheads=4, ngroups=2, chunk=16):
+    kw = make_problem(batch=2, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups,
+                      dstate=dstate, dtype=dtype, seed=8, seq_boundaries=[16, 37] if seq else None)
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"], kw["A"], chunk, kw["dt_bias"], True, (0.0, 1.5))
     nchunks = dt_out.shape[2]
-    dS = torch.randn(2, nchunks, 4, headdim, dstate, generator=torch.Generator().manual_seed(2))
+    dS = torch.randn(2, nchunks, nheads, headdim, dstate,
+                     generator=torch.Generator().manual_seed(2))
     return kw, dt_out.float(), dA.float(), dS
+
+
+def run_kernel(kw, dt_out, dA, dS, device, **options):
+    to = lambda t: None if t is None else t.to(device)
+    return bwd_chunk_states(to(dS), to(kw["x"]), to(kw["B"]), to(dt_out), to(dA * LOG2E),
+                            to(kw.get("seq_idx")), poison=True, **options)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -34,26 +50,128 @@ def problem(dtype, headdim=16, dstate=32, seq=True, seqlen=77):
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", [pytest.param(dict(), id="packed-ragged"),
                                   pytest.param(dict(seq=False, seqlen=64), id="whole-chunks"),
-                                  pytest.param(dict(headdim=48, dstate=40), id="odd-sizes")])
+                                  pytest.param(dict(headdim=48, dstate=40), id="odd-sizes"),
+                                  pytest.param(dict(chunk=32, nheads=6, ngroups=2),
+                                               id="token-tiles-of-a-chunk")])
 def test_matches_the_reference(device, dtype, case):
     kw, dt_out, dA, dS = problem(dtype, **case)
     if dtype == torch.float16:
         dS = dS * 1e5                                   # as under loss scaling
     f64 = lambda t: None if t is None else (t.double() if t.is_floating_point() else t)
-    want = chunk_states_backward(dS.double(), f64(kw["x"]), f64(kw["B"]), dt_out.double(),
-                                 dA.double(), kw.get("seq_idx"))
-    to = lambda t: None if t is None else t.to(device)
-    got = bwd_chunk_states(to(dS), to(kw["x"]), to(kw["B"]), to(dt_out), to(dA * LOG2E),
-                           to(kw.get("seq_idx")), poison=True)
-    for name, g, w in zip(("dx", "dB", "ddt_out", "ddA"), got, want, strict=True):
+    dx, dB, ddt, ddA = chunk_states_backward(dS.double(), f64(kw["x"]), f64(kw["B"]),
+                                             dt_out.double(), dA.double(), kw.get("seq_idx"))
+    want = (dx, _sum_groups(dB, kw["B"].shape[2]), ddt, ddA)
+    # chunk 32 at the default's 64-token tiles is one tile; 16-token tiles split it in two
+    config = dict(BLOCK_T=16) if case.get("chunk") == 32 else None
+    got = run_kernel(kw, dt_out, dA, dS, device, config=config)
+    assert got[1].shape == kw["B"].shape, "dB summed over each group's heads: (b, L, g, n)"
+    for name, g, w in zip(NAMES, got, want, strict=True):
         assert g.dtype == torch.float32 and rel_err(g.cpu(), w) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_accumulates_into_given_buffers(device, dtype):
+    """accumulate=(dx, ddt, ddA): the kernel's contributions added to them in place, exactly the
+    float32 sum of the separate outputs and the buffers (one rounding either way); with bf16
+    inputs, dS in bf16 gives the bits of dS in float32 (the products round it to bf16 anyway)."""
+    kw, dt_out, dA, dS = problem(dtype)
+    alone = run_kernel(kw, dt_out, dA, dS, device)
+    g = torch.Generator().manual_seed(5)
+    base = [torch.randn(t.shape, generator=g).to(device) for t in (alone[0], alone[2], alone[3])]
+    buffers = [t.clone() for t in base]
+    if dtype == torch.bfloat16:
+        dS = dS.to(torch.bfloat16)
+    got = run_kernel(kw, dt_out, dA, dS, device, accumulate=tuple(buffers))
+    for buf, out in zip(buffers, (got[0], got[2], got[3]), strict=True):
+        assert out.data_ptr() == buf.data_ptr()
+    # ddA's last-token term (the token tiles' sums) is added by the wrapper after the kernel's
+    # own accumulation: one more float32 rounding there, the other tokens bit for bit
+    assert torch.equal(got[0], alone[0] + base[0]) and torch.equal(got[2], alone[2] + base[1])
+    assert torch.equal(got[1], alone[1])
+    assert torch.equal(got[3][..., :-1], alone[3][..., :-1] + base[2][..., :-1])
+    assert rel_err(got[3][..., -1], alone[3][..., -1] + base[2][..., -1]) < 1e-6
+
+
+# Every config of the search space at one small shape, against the default ------------------------
+
+VARIANT = dict(seqlen=150, chunk=64, nheads=8, ngroups=2, headdim=16, dstate=32)
+VARIANT_SHAPE = dict(batch=2, seqlen=150, chunk_size=64, headdim=16, dstate=32, nheads=8,
+                     ngroups=2)
+
+
+def variant_cases():
+    default = mod.default_config(**VARIANT_SHAPE)
+    space = mod.search_space(**VARIANT_SHAPE)
+    assert space[0] == default, "the default config comes first in the search space"
+    assert len(space) < 20
+    assert {c["HEADS_PER_BLOCK"] for c in space} >= {1, 4}, "per-head blocks and whole groups"
+    assert {c["BLOCK_T"] for c in space} == {32, 64}
+    label = lambda c: "-".join(f"{k}={v}" for k, v in c.items() if default[k] != v) or "default"
+    return [pytest.param(name, cfg, id=f"{name}-{label(cfg)}") for name in ("fp32", "bf16")
+            for cfg in space[1:]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_name, config", variant_cases())
+def test_variant_matches_the_default(device, dtype_name, config):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    kw, dt_out, dA, dS = problem(dtype, **VARIANT)
+    want = run_kernel(kw, dt_out, dA, dS, device)
+    got = run_kernel(kw, dt_out, dA, dS, device, config=config)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert rel_err(g, w) < (1e-5 if dtype == torch.float32 else 4e-3), name
+
+
+def test_refuses_bad_configs_and_inputs():
+    kw, dt_out, dA, dS = problem(torch.float32, chunk=32)
+    args = (dS, kw["x"], kw["B"], dt_out, dA, kw.get("seq_idx"))
+    with pytest.raises(ValueError, match="HEADS_PER_BLOCK"):
+        bwd_chunk_states_plan(*args, config=dict(HEADS_PER_BLOCK=3))
+    with pytest.raises(ValueError, match="BLOCK_T"):
+        bwd_chunk_states_plan(*args, config=dict(BLOCK_T=64))        # more than the chunk
+    with pytest.raises(ValueError, match="unknown config keys"):
+        bwd_chunk_states_plan(*args, config=dict(BLOCK_M=32))
+    with pytest.raises(TypeError, match="dS"):
+        bwd_chunk_states_plan(dS.to(torch.bfloat16), *args[1:])     # float32 inputs
+    with pytest.raises(ValueError, match="accumulator dx"):
+        bwd_chunk_states_plan(*args, accumulate=(kw["x"].double(), dt_out, dt_out))
+
+
+# Ahead-of-time compilation ------------------------------------------------------------------------
+
+def meta(*s, dt=torch.float32):
+    return torch.empty(s, dtype=dt, device="meta")
+
+
+def meta_plan(config=None, ds_dtype=torch.float32, accumulate=False, seqlen=16384, batch=1):
+    """The launch at a Mamba-2 layer of a ~2.7B model (80 heads of 64, dstate 128, chunk 256)."""
+    nchunks = seqlen // 256
+    x = meta(batch, seqlen, 80, 64, dt=torch.bfloat16)
+    acc = (meta(batch, seqlen, 80, 64), meta(batch, 80, nchunks, 256),
+           meta(batch, 80, nchunks, 256)) if accumulate else None
+    return bwd_chunk_states_plan(meta(batch, nchunks, 80, 64, 128, dt=ds_dtype), x,
+                                 meta(batch, seqlen, 1, 128, dt=torch.bfloat16),
+                                 meta(batch, 80, nchunks, 256), meta(batch, 80, nchunks, 256),
+                                 meta(batch, seqlen, dt=torch.int32), config=config,
+                                 accumulate=acc)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 def test_compiles(arch):
     from ops.tools.aot import compile_cubin
-    meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
-    plan = bwd_chunk_states_plan(meta(1, 64, 80, 64, 128), meta(1, 16384, 80, 64, dt=torch.bfloat16),
-                                 meta(1, 16384, 1, 128, dt=torch.bfloat16), meta(1, 80, 64, 256),
-                                 meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32))
+    plan = meta_plan()
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
+SPACE_SHAPE = dict(batch=8, seqlen=2048, chunk_size=256, headdim=64, dstate=128, nheads=80,
+                   ngroups=1, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", mod.search_space(**SPACE_SHAPE),
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_search_space_compiles_for_sm_90(config):
+    """As the backward launches it: bf16 dS, accumulating into compute_out's buffers."""
+    from ops.tools.aot import compile_cubin
+    plan = meta_plan(config, torch.bfloat16, True, seqlen=2048, batch=8)
+    assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"

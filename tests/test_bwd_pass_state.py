@@ -9,6 +9,7 @@ Tolerances, relative in norm: float32 1e-5 (a float32 recurrence over a few chun
 import pytest
 import torch
 
+from ops import bwd_pass_state as mod
 from ops.bwd_pass_state import bwd_pass_state, bwd_pass_state_plan
 from reference import chunked
 from reference.backward import state_passing_backward
@@ -61,3 +62,64 @@ def test_compiles(arch):
     plan = bwd_pass_state_plan(meta(1, 64, 80, 64, 128), meta(1, 80, 64, 128), entry,
                                meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32))
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
+def test_bf16_ds_is_the_float32_ds_rounded():
+    """ds_dtype=bf16 (the backward's choice for bf16 inputs): the float32 dS rounded once, the
+    other outputs unchanged bit for bit."""
+    p = problem()
+    args = (p["dentry"], p["dfinal"], p["entry"], (p["dA"] * LOG2E).float(), p["seq_idx"])
+    f32 = bwd_pass_state(*args, poison=True)
+    bf16 = bwd_pass_state(*args, poison=True, ds_dtype=torch.bfloat16)
+    assert bf16[0].dtype == torch.bfloat16 and torch.equal(bf16[0], f32[0].to(torch.bfloat16))
+    assert torch.equal(bf16[1], f32[1]) and torch.equal(bf16[2], f32[2])
+
+
+# Every config of the search space at one small shape, against the default ------------------------
+#
+# Other tiles change only the order in which d dA[last]'s per-tile partials are added (float32,
+# a few ulps: 1e-6); dS and dinitial are the same recurrence per element, bit for bit.
+
+SPACE_SHAPE = dict(batch=2, nheads=4, headdim=64, dstate=256, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("config", mod.search_space(**SPACE_SHAPE)[1:],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_variant_matches_the_default(config):
+    p = problem(headdim=64, dstate=256)
+    args = (p["dentry"], p["dfinal"], p["entry"], (p["dA"] * LOG2E).float(), p["seq_idx"])
+    want = bwd_pass_state(*args, poison=True)
+    got = bwd_pass_state(*args, poison=True, config=config)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert rel_err(got[1], want[1]) < 1e-6
+
+
+def test_search_space():
+    space = mod.search_space(**SPACE_SHAPE)
+    assert space[0] == mod.default_config(**SPACE_SHAPE) and len(space) < 20
+    layer = mod.search_space(**LAYER)
+    tiles = {(c["BLOCK_P"], c["BLOCK_N"]) for c in layer}
+    assert len(layer) < 20 and tiles >= {(64, 128), (32, 64)}
+    with pytest.raises(ValueError, match="unknown config keys"):
+        meta_plan(dict(BLOCK_T=16))
+
+
+LAYER = dict(batch=8, nheads=80, headdim=64, dstate=128, dtype=torch.bfloat16)
+
+
+def meta_plan(config=None, ds_dtype=torch.float32, batch=1, nchunks=64):
+    meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
+    entry = meta(batch, nchunks, 80, 64, 128, dt=torch.bfloat16)
+    return bwd_pass_state_plan(meta(batch, nchunks, 80, 64, 128), meta(batch, 80, 64, 128),
+                               entry, meta(batch, 80, nchunks, 256),
+                               meta(batch, nchunks * 256, dt=torch.int32), config=config,
+                               ds_dtype=ds_dtype)
+
+
+@pytest.mark.parametrize("config", mod.search_space(**LAYER),
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_search_space_compiles_for_sm_90(config):
+    """At batch 8 x 2K tokens of a ~2.7B layer, bf16 dS (as the backward launches it)."""
+    from ops.tools.aot import compile_cubin
+    plan = meta_plan(config, torch.bfloat16, batch=8, nchunks=8)
+    assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
