@@ -34,7 +34,8 @@ and ``tests/test_backward_kernels.py`` checks them)
         entry states (b, c, h, p, n) bf16 84 MB (168); dentry and dS float32 168 + 168 MB
         (336 + 336); ddt/ddA partials of both kernels and their sums (b, h, c, l) 4 x 5 MB
         and the operator's float32 results, then their bf16 copies (dx 168 MB).
-    After, 541 MB at the peak (compute_out's token launch; 709 MB at chunk 128; 877 MB with z,
+    After, 544 MB at the peak (the gradients' conversion to x's dtype, beside the float32 dx;
+    compute_out's token launch, 541 MB, is about as large; 709 MB at chunk 128; 877 MB with z,
     whose dz and dy in x's dtype add 2 x 168 MB):
         compute_out's float32 dx 336 MB, the one float32 dx: chunk_states adds into it and the
         skip's term is added in place; returned in x's dtype (168 MB, the float32 one freed)
@@ -131,11 +132,15 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     kept = {"dz": tokens * e} if z else {}
     dy = {"dy (x's dtype)": tokens * e} if z else {}          # else dout itself
     dinit = {"dinitial": final} if initial_states else {}
+    kept["dD"] = nheads * headdim * f32                       # (h,) or (h, p): at most this
+    last = {"d dA[last] (b, h, c)": chunked // chunk_size}    # the pass' term, until added
     recompute = {**base, "entry states": states * se, "final state": final}
     if z:
         recompute["y (pre-gate)"] = tokens * e
+    # float32 slice temporaries alive at once: the gate's dz expression with z, its dy and dD
+    # products without; the skip's dx term afterwards
     gate = {**base, **kept, **dy, "entry states": states * se,
-            "float32 temporaries (<= 5 slices)": 5 * slice_bytes}
+            "float32 slice temporaries": (8 if z else 2) * slice_bytes}
     if z:
         gate["y (pre-gate)"] = tokens * e
     split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
@@ -144,21 +149,28 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         "gate and skip": gate,
         "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se,
                                  "dentry": states * f32},
-        "pass_state": {**base, **kept, **dy, **dinit, "entry states": states * se,
-                       "dentry": states * f32, "dS": states * ds,
+        "pass_state": {**base, **kept, **dy, "entry states": states * se,
+                       "dentry": states * f32, "dS": states * ds, "dinitial": final,
                        "d dA[last] partials": chunked // chunk_size * 2},
-        "compute_out's tokens": {**base, **kept, **dy, **dinit, "entry states": states * se,
+        "compute_out's tokens": {**base, **kept, **dy, **dinit, **last, "entry states": states * se,
                                  "dS": states * ds, "dx (float32)": tokens * f32,
                                  "ddt_out, ddA": 2 * chunked,
-                                 "dB, dC partials": 2 * out_splits * groups,
-                                 "dB (their sum), while dC's partials are summed":
-                                     2 * split_sum(out_splits)},
-        "chunk_states": {**base, **kept, **dinit, "dS": states * ds, "dx (float32)": tokens * f32,
+                                 "dB, dC partials": 2 * out_splits * groups},
+        "the split partials summed": {**base, **kept, **dinit, **last, "dS": states * ds,
+                                      "dx (float32)": tokens * f32, "ddt_out, ddA": 2 * chunked,
+                                      "dB, dC partials": 2 * out_splits * groups,
+                                      "dB, dC (their sums)": 2 * split_sum(out_splits)},
+        "chunk_states": {**base, **kept, **dinit, **last, "dS": states * ds,
+                         "dx (float32)": tokens * f32,
                          "ddt_out, ddA": 2 * chunked, "dB, dC": 2 * groups,
                          "dB partials": st_splits * groups + split_sum(st_splits),
                          "ddA tiles": chunked // st_cfg["BLOCK_T"]},
+        "the skip's dx": {**base, **kept, **dinit, "dx (float32)": tokens * f32,
+                          "dB, dC": 2 * groups, "ddt (b, L, h)": batch * seqlen * nheads * f32,
+                          "float32 slice temporaries": (4 if z else 2) * slice_bytes},
         "dx in x's dtype": {**base, **kept, **dinit, "dx (float32)": tokens * f32,
                             "dx": tokens * e if e != f32 else 0, "dB, dC": 2 * groups,
+                            "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
                             "ddt (b, L, h)": batch * seqlen * nheads * f32},
     }
     totals = {k: sum(v.values()) for k, v in steps.items()}
@@ -281,8 +293,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     """Gradients of ``kernel_forward``'s (out, final_states) with respect to its inputs, like
     ``reference.backward.ssd_chunked_backward``: a dict with dx, ddt, dA, dB, dC and, for the
     inputs given, dD, dz, ddt_bias, dinitial_states, all float32 (``input_dtypes=True``: each in
-    its input's dtype, as autograd returns them, each rounded once from its float32 value and
-    converted as soon as it is complete, so that its float32 buffer goes early).
+    its input's dtype, as autograd returns them, each rounded once from its float32 value; dz
+    and dD are converted as soon as they are complete, the others together at the end).
 
     ``dout`` (b, L, h, p) and ``dfinal`` (b, h, p, n): the loss' gradients with respect to the
     outputs (either may be None: zero; any strides). ``states_dtype``: the forward's entry
@@ -340,6 +352,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
                                             poison=poison, config=configs.get("bwd_pass_state"),
                                             ds_dtype=ds_dtype)
     del dentry
+    if initial_states is None:
+        del dinitial                           # no input to give it to
     dx, dB_parts, dC_parts, ddt, ddA = run(bwd_compute_out_plan(
         *out_inputs, poison=poison, config=co_config, launches="tokens"))
     del entry, out_inputs, dy                  # (dy: dout itself without z)
@@ -354,6 +368,7 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
                                           accumulate=(dx, ddt, ddA))
     del dS
     dB += dB_s                                 # chunk_states' dB, summed over the group's heads
+    del dB_s
     ddA[..., -1] += ddA_last                   # the pass' term, at each chunk's last token
     ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt, ddA, dt_, A.contiguous(),
                                          None if dt_bias is None else dt_bias.contiguous(),

@@ -42,7 +42,7 @@ import torch
 
 import cuda.tile as ct
 
-from .configs import resolve_config, unique, with_hints
+from .configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (ZERO, ConstBool, ConstInt, as_int32, cdiv, latency_hint, multiprocessors,
                     new_output, tile_size)
@@ -143,12 +143,6 @@ def bwd_chunk_states_kernel(
 
 # Configs and launching -------------------------------------------------------------------------
 
-def heads_per_block_options(nheads, ngroups):
-    """The divisors of a group's heads: a block never spans two groups."""
-    per_group = nheads // ngroups
-    return [d for d in range(1, per_group + 1) if per_group % d == 0]
-
-
 # Blocks wanted per multiprocessor before the heads of a group go into one block. A block is
 # light (two (BLOCK_T x 64 x 128) products per head) and walks its heads one after the other, so
 # several resident blocks per multiprocessor hide its load latency. Not yet timed on a GPU.
@@ -167,7 +161,7 @@ def default_heads_per_block(*, nheads, ngroups, token_tiles, device=None):
     head per block."""
     wanted = BLOCKS_PER_SM * multiprocessors(device)
     per_group = nheads // ngroups
-    for hb in sorted(heads_per_block_options(nheads, ngroups), reverse=True):
+    for hb in sorted(group_divisors(nheads, ngroups), reverse=True):
         if token_tiles * ngroups * (per_group // hb) >= wanted:
             return hb
     return 1
@@ -195,7 +189,7 @@ def search_space(*, chunk_size, nheads=1, ngroups=1, **shape):
     for bt in (32, 64, 128):
         if bt <= chunk_size and bt != base["BLOCK_T"]:
             configs.append({**base, "BLOCK_T": bt})
-    options = heads_per_block_options(nheads, ngroups)
+    options = group_divisors(nheads, ngroups)
     per_group = nheads // ngroups
     for want in (1, per_group // 4, per_group // 2, per_group):
         # the largest divisor not above the wanted count (a block never spans two groups)
@@ -237,12 +231,7 @@ def bwd_chunk_states_plan(dS, x, B, dt_out, dA_cumsum, seq_idx=None, poison=Fals
     _check(dS, x, B, dt_out, dA_cumsum, accumulate)
     cfg = resolve_config(config, default_config(chunk_size=chunk_size, nheads=nheads,
                                                 ngroups=ngroups, batch=batch, seqlen=seqlen))
-    bt, hb = cfg["BLOCK_T"], cfg["HEADS_PER_BLOCK"]
-    if bt not in (16, 32, 64, 128, 256) or bt > chunk_size:
-        raise ValueError(f"BLOCK_T ({bt}) must be a power of two in [16, chunk_size {chunk_size}]")
-    if hb not in heads_per_block_options(nheads, ngroups):
-        raise ValueError(f"HEADS_PER_BLOCK ({hb}) must divide the {nheads // ngroups} heads of "
-                         f"a group")
+    bt, hb = token_tiling(cfg, chunk_size, nheads, ngroups)
     splits = (nheads // ngroups) // hb
     tiles = chunk_size // bt
     device = x.device

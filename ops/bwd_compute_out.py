@@ -79,7 +79,7 @@ import torch
 
 import cuda.tile as ct
 
-from .configs import resolve_config, unique, with_hints
+from .configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
                     check_sizes, multiprocessors, new_output, tile_size)
@@ -292,12 +292,6 @@ def bwd_entry_kernel(
 
 # Configs and launching -------------------------------------------------------------------------
 
-def heads_per_block_options(nheads, ngroups):
-    """The divisors of a group's heads: a block never spans two groups."""
-    per_group = nheads // ngroups
-    return [d for d in range(1, per_group + 1) if per_group % d == 0]
-
-
 # The token kernel's block holds many live tiles (the dB, dC and dx accumulators, the tile's B
 # and C, the (BLOCK_T, BLOCK_T) products): at h=80, p=64, n=128, bf16, chunk 256, the compiler's
 # own choice spills 4.3 KB per thread on sm_90 (1.8 KB on sm_100), eight worker warps 0.5 KB
@@ -320,7 +314,7 @@ def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=No
     group's heads that does (partials summed on the host), or one head per block."""
     wanted = multiprocessors(device)
     per_group = nheads // ngroups
-    for hb in sorted(heads_per_block_options(nheads, ngroups), reverse=True):
+    for hb in sorted(group_divisors(nheads, ngroups), reverse=True):
         if blocks_per_head_block * ngroups * (per_group // hb) >= wanted:
             return hb
     return 1
@@ -439,12 +433,7 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     cfg = resolve_config(config, default_config(chunk_size=chunk_size, headdim=headdim,
                                                 dstate=dstate, nheads=nheads, ngroups=ngroups,
                                                 batch=batch, seqlen=seqlen))
-    bt, hb = cfg["BLOCK_T"], cfg["HEADS_PER_BLOCK"]
-    if bt not in (16, 32, 64, 128, 256) or bt > chunk_size:
-        raise ValueError(f"BLOCK_T ({bt}) must be a power of two in [16, chunk_size {chunk_size}]")
-    if hb not in heads_per_block_options(nheads, ngroups):
-        raise ValueError(f"HEADS_PER_BLOCK ({hb}) must divide the {nheads // ngroups} heads of "
-                         f"a group")
+    bt, hb = token_tiling(cfg, chunk_size, nheads, ngroups)
     bp, bn = cfg["ENTRY_BLOCK_P"], cfg["ENTRY_BLOCK_N"]
     for name, v, size in (("ENTRY_BLOCK_P", bp, headdim), ("ENTRY_BLOCK_N", bn, dstate)):
         if v < 16 or v & (v - 1) or v > tile_size(size):

@@ -77,3 +77,24 @@ def unique(configs):
             seen.add(key)
             out.append(cfg)
     return out
+
+
+# The token-tiled backward kernels (bwd_compute_out, bwd_chunk_states) ---------------------------
+
+def group_divisors(nheads, ngroups):
+    """The numbers of heads a block may take at once: the divisors of a group's heads (a block
+    never spans two groups)."""
+    per_group = nheads // ngroups
+    return [d for d in range(1, per_group + 1) if per_group % d == 0]
+
+
+def token_tiling(cfg, chunk_size, nheads, ngroups):
+    """(BLOCK_T, HEADS_PER_BLOCK) of a token-tiled backward kernel's config, checked: a tile of
+    16 to chunk_size tokens (a power of two), and a divisor of a group's heads."""
+    bt, hb = cfg["BLOCK_T"], cfg["HEADS_PER_BLOCK"]
+    if bt not in (16, 32, 64, 128, 256) or bt > chunk_size:
+        raise ValueError(f"BLOCK_T ({bt}) must be a power of two in [16, chunk_size {chunk_size}]")
+    if hb not in group_divisors(nheads, ngroups):
+        raise ValueError(f"HEADS_PER_BLOCK ({hb}) must divide the {nheads // ngroups} heads of "
+                         f"a group")
+    return bt, hb
