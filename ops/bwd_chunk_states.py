@@ -216,6 +216,14 @@ def _check(dS, x, B, dt_out, dA_cumsum, accumulate):
             if t.shape != shape or t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError(f"the accumulator {name} must be a contiguous float32 "
                                  f"{tuple(shape)} tensor, got {t.dtype} {tuple(t.shape)}")
+        # The kernel is compiled for arrays that share no memory: a block reads an accumulator
+        # and writes it back, so one shared with another argument would be read after a write.
+        read = (dS, x, B, dt_out, dA_cumsum)
+        starts = [t.data_ptr() for t in accumulate]
+        if x.device.type != "meta" and (len(set(starts)) < 3
+                                        or any(t.data_ptr() in starts for t in read)):
+            raise ValueError("the accumulators dx, ddt and ddA must be three tensors of their own, "
+                             "sharing no memory with each other or with the inputs")
 
 
 def bwd_chunk_states_plan(dS, x, B, dt_out, dA_cumsum, seq_idx=None, poison=False, config=None,

@@ -93,6 +93,17 @@ def test_accumulates_into_given_buffers(device, dtype):
     assert rel_err(got[3][..., -1], alone[3][..., -1] + base[2][..., -1]) < 1e-6
 
 
+def test_shared_accumulators_are_refused():
+    """The kernel reads an accumulator and writes it back: one sharing memory with another
+    argument would be read after a write, so the plan refuses it."""
+    kw, dt_out, dA, dS = problem(torch.float32)
+    alone = run_kernel(kw, dt_out, dA, dS, "cpu")
+    dx, ddt = torch.zeros_like(alone[0]), torch.zeros_like(alone[2])
+    for accumulate in ((dx, ddt, ddt), (dx, ddt, dt_out)):      # twice ddt; ddA is an input
+        with pytest.raises(ValueError, match="sharing no memory"):
+            run_kernel(kw, dt_out, dA, dS, "cpu", accumulate=accumulate)
+
+
 # Every config of the search space at one small shape, against the default ------------------------
 
 VARIANT = dict(seqlen=150, chunk=64, nheads=8, ngroups=2, headdim=16, dstate=32)
@@ -162,6 +173,24 @@ def test_compiles(arch):
     from ops.tools.aot import compile_cubin
     plan = meta_plan()
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(dtype=torch.float16), id="fp16"),
+    pytest.param(dict(dtype=torch.float32, seq_idx=False), id="fp32-no-seq_idx"),
+    pytest.param(dict(config=dict(BLOCK_T=16), headdim=48, dstate=40), id="tiles16-odd-sizes"),
+    pytest.param(dict(config=dict(INDEX64=True)), id="int64")])
+def test_other_variants_compile_for_sm_90(case):
+    """The launches the search-space test leaves out: other dtypes (fp16 takes float32
+    operands), no seq_idx, 16-token tiles at sizes that are not powers of two, 64-bit indices."""
+    from ops.tools.aot import compile_cubin
+    dtype, p, n = case.get("dtype", torch.bfloat16), case.get("headdim", 64), case.get("dstate", 128)
+    x = meta(1, 1024, 8, p, dt=dtype)
+    plan = bwd_chunk_states_plan(meta(1, 4, 8, p, n), x, meta(1, 1024, 1, n, dt=dtype),
+                                 meta(1, 8, 4, 256), meta(1, 8, 4, 256),
+                                 meta(1, 1024, dt=torch.int32) if case.get("seq_idx", True) else None,
+                                 config=case.get("config"))
+    assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
 
 
 SPACE_SHAPE = dict(batch=8, seqlen=2048, chunk_size=256, headdim=64, dstate=128, nheads=80,
