@@ -94,9 +94,14 @@ def bwd_pass_state_kernel(
 # Configs and launching -------------------------------------------------------------------------
 
 def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
-    """The kernel as first written: ``pick_tiles``' tiles for the entry states' dtype (``dtype``,
-    x's, unless ``states_dtype`` says otherwise, as in ``ops.forward``), no hints."""
-    bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype or torch.float32)
+    """The kernel as first written: ``pick_tiles``' tiles for the entry states' dtype as this
+    kernel gets them (``dtype``, x's, unless ``states_dtype`` says otherwise, as in
+    ``ops.forward``; states of neither x's dtype nor float32 reach it widened to float32, as
+    ``ops.backward`` passes them), no hints."""
+    states = states_dtype or dtype or torch.float32
+    if dtype is not None and states not in (dtype, torch.float32):
+        states = torch.float32
+    bp, bn = pick_tiles(headdim, dstate, states)
     return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
                 num_worker_warps=None)
 

@@ -123,3 +123,12 @@ def test_search_space_compiles_for_sm_90(config):
     from ops.tools.aot import compile_cubin
     plan = meta_plan(config, torch.bfloat16, batch=8, nchunks=8)
     assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
+
+
+def test_the_search_space_starts_from_the_tiles_the_plan_runs():
+    """bf16 states of float32 inputs reach the kernel widened to float32 (ops.backward): the
+    search space's first config is then the float32 tiles the plan picks for them."""
+    shape = dict(headdim=64, dstate=128, dtype=torch.float32, states_dtype=torch.bfloat16)
+    # what bwd_pass_state_plan resolves for the float32 entry states it is given
+    runs = mod.default_config(headdim=64, dstate=128, dtype=torch.float32)
+    assert mod.search_space(**shape)[0] == mod.default_config(**shape) == runs
