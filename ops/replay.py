@@ -10,9 +10,11 @@ buffers afresh and launches each kernel with the new call's tensors in place of 
 
 Not replayed: calls that need a gradient, traced calls, varlen calls (their bounds are read from
 ``cu_seqlens``), searches for configs, poisoned outputs (tests), and any call whose launches use
-a tensor that is neither one of its inputs nor a buffer of the call (a derived tensor, e.g. int64
-sequence ids converted to int32, must be recomputed each time). What reads values (the seq_idx
-checks) runs on every call, replayed or not.
+a tensor that is neither one of its inputs, a buffer of the call nor a marked stand-in the
+kernels never read (``ops.utils.unread_stand_in``): a derived tensor -- a copy of a view the
+kernels cannot read in place, say -- must be recomputed each time. (int64 sequence ids are
+converted to int32 before the call is keyed.) What reads values (the seq_idx checks) runs on
+every call, replayed or not.
 """
 import torch
 
@@ -66,7 +68,8 @@ NEVER = "never"      # lookup's answer for calls that are not replayable
 class Recording:
     """``with Recording(key, stamp, inputs) as rec:`` around a call records the launches that
     ``ops.launch.run`` makes; ``rec.keep(results)`` then stores them as a ``Replay`` for ``key``
-    (if every tensor they use is an input, a buffer or a dummy)."""
+    (if every tensor they use is an input, a buffer or a marked stand-in; else a note that the
+    key is not replayable)."""
 
     def __init__(self, key, stamp, inputs):
         self.key, self.stamp, self.inputs = key, stamp, inputs
@@ -114,8 +117,8 @@ def _restrides(t, inputs):
 class Replay:
     """The launches of one call as (grid, kernel, argument indices) into a list made per call:
     the call's inputs, then the buffers it returns (fresh each call), its other buffers, inputs
-    restrided as the call did, then the values kept as they were (scalars, constants,
-    one-element dummies the kernels never read)."""
+    restrided as the call did, then the values kept as they were (scalars, constants, the
+    stand-ins the kernels never read)."""
 
     def __init__(self, plans, inputs, results, stamp):
         from .utils import is_unread_stand_in
