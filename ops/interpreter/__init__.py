@@ -43,7 +43,8 @@ Modules
 * `values`: `Tile` (with its operators) and `Array`;
 * `arguments`: checking and converting the operations' arguments, tile
   promotion, the shared elementwise driver;
-* `memory`: ``load``, ``store``, ``num_tiles``; `creation`: ``full``,
+* `memory`: ``load``, ``store``, ``num_tiles``; `indexing`: ``gather``, ``scatter``,
+  ``Slice``, ``load_advanced_indexing``, ``store_advanced_indexing``; `creation`: ``full``,
   ``zeros``, ``ones``, ``arange``, ``astile``;
 * `arithmetic`: elementwise arithmetic, comparisons, bit operations,
   ``where``, unary math, ``astype`` and ``bitcast``;
@@ -52,6 +53,9 @@ Modules
   broadcasting, ``cat``, ``extract``, ``insert``;
 * `debug`: ``static_eval``, ``static_assert``, ``assume_divisible_by``,
   ``assert_``, ``print``, ``printf``;
+* `atomics`: ``atomic_add`` ... ``atomic_cas``, lanes applied in C order;
+  `views`: ``Array.slice`` and ``Array.tiled_view`` (`views.TiledView`);
+* `pybuiltins`: Python's ``max``, ``min``, ``divmod``, ... on tiles;
 * `runner`: the dispatch mode, ``bid`` / ``num_blocks``, `is_interpreting`
   and `launch`.
 
@@ -109,17 +113,35 @@ e.g. ``kernel.py:42 in chunk_cumsum: ct.load shape (48,) must be powers of
 two``.  The line is found by walking the stack past every frame in this
 package's files and in cuda.tile.
 
-Not emulated: atomics, gather/scatter, advanced indexing, tiled views and
-``Array.slice``, foreign pointers, float8/float4 and unsigned types other
-than uint8, rounding modes other than the default, flush-to-zero (ignored),
-``ct.float32(x)``-style dtype calls, and Python's builtin ``min``/``max`` on
-multi-element tiles (cuTile makes them elementwise; use ``ct.minimum`` /
-``ct.maximum``).  There is no timing and no concurrency: blocks run one at a
+Python builtins
+---------------
+The compiler implements a few builtins itself: ``max(x, y)`` / ``min(x, y)``
+on tiles are ``ct.maximum`` / ``ct.minimum`` (exactly two arguments),
+``abs`` is ``ct.abs``, ``divmod`` is ``ct.divmod``; ``pow``, ``round``,
+``sum``, ``any``, ``all``, ``sorted`` are refused.  `pybuiltins` installs
+the same behaviour for tile arguments while `launch` runs.  ``int()`` and
+``float()`` of a one-element tile are accepted here although the compiler
+only takes constants.
+
+float8
+------
+``float8_e4m3fn`` and ``float8_e5m2`` tiles are stored as torch float8:
+they load, store, convert (nearest even, saturating to +-max as sm_90's
+``cvt.rn.satfinite`` does) and feed ``ct.mma`` (float16 or float32
+accumulator).  cuTile allows no arithmetic on them.  float8_e8m0fnu,
+float8_e5m3fnu and float4_e2m1fn raise `UnsupportedOperation`.
+
+Not emulated: the operations marked refused or in progress in
+``COVERAGE.md`` (checked by ``tests/interpreter/test_coverage.py``), among
+them ``Array.get_raw_memory`` (offset loads, stores and atomics); also
+foreign pointers, unsigned types other than uint8, rounding modes other
+than the default, flush-to-zero (ignored) and ``ct.float32(x)``-style dtype
+calls.  There is no timing and no concurrency: blocks run one at a
 time, x fastest, then y, then z.
 """
 
 # Every operation module is imported so that registry.OPS is complete.
-from . import arithmetic, creation, debug, memory, mma, reductions, shapes  # noqa: F401
+from . import arithmetic, atomics, creation, debug, indexing, memory, mma, reductions, shapes, views  # noqa: F401,E501
 from .errors import (
     KernelAssertionError,
     KernelError,

@@ -327,3 +327,9 @@ def bitcast(x, /, dtype):
     if x.dtype.bitwidth != dtype.bitwidth:
         raise KernelTypeError(f"{op}: {x.dtype} and {dtype} have different bit widths")
     return Tile(x._t.view(storage(dtype)), dtype)
+
+
+@emulates("cdiv")
+def cdiv(x, y, /):
+    # cuTile's own definition, which also holds for Python ints on the host.
+    return -((-x) // y)

@@ -1,8 +1,7 @@
 """cuTile dtypes in torch: storage, rounding, conversion and promotion with scalars."""
 
-import torch
-
 import cuda.tile as ct
+import torch
 
 from ..cutile_internals import is_boolean, is_float, is_integral
 from .errors import KernelTypeError, UnsupportedOperation
@@ -21,11 +20,29 @@ TORCH_DTYPE = {
     ct.tfloat32: torch.float32,
     ct.float32: torch.float32,
     ct.float64: torch.float64,
+    ct.float8_e4m3fn: torch.float8_e4m3fn,
+    ct.float8_e5m2: torch.float8_e5m2,
 }
 CT_DTYPE = {t: d for d, t in TORCH_DTYPE.items() if d is not ct.tfloat32}
 
 # Dtypes narrower than float32: arithmetic runs in float32, then rounds back.
 NARROW_FLOATS = (ct.float16, ct.bfloat16, ct.tfloat32)
+
+# float8 tiles only move and convert (cuTile allows no arithmetic on them).
+# Conversions to them saturate: sm_90 has only the ``cvt.rn.satfinite``
+# form, so values beyond the largest finite one (infinities included)
+# become +-max and NaN stays NaN; torch alone would give NaN or inf.
+FLOAT8 = {
+    ct.float8_e4m3fn: torch.finfo(torch.float8_e4m3fn).max,  # 448
+    ct.float8_e5m2: torch.finfo(torch.float8_e5m2).max,      # 57344
+}
+
+# cuTile dtypes without an emulation, and why.
+_UNSUPPORTED_REASONS = {
+    ct.float8_e8m0fnu: "it is a scale format for ct.mma_scaled (sm_100+), not emulated",
+    ct.float8_e5m3fnu: "torch has no such dtype",
+    ct.float4_e2m1fn: "torch has no unpacked float4 dtype",
+}
 
 
 def storage(dtype):
@@ -33,13 +50,15 @@ def storage(dtype):
     try:
         return TORCH_DTYPE[dtype]
     except KeyError:
+        why = _UNSUPPORTED_REASONS.get(dtype)
         raise UnsupportedOperation(
-            f"{dtype} tiles are not supported by the CPU interpreter") from None
+            f"{dtype} tiles are not supported by the CPU interpreter"
+            + (f": {why}" if why else "")) from None
 
 
 def compute(dtype):
     """The torch dtype in which arithmetic on `dtype` tiles is carried out."""
-    return torch.float32 if dtype in NARROW_FLOATS else storage(dtype)
+    return torch.float32 if dtype in NARROW_FLOATS or dtype in FLOAT8 else storage(dtype)
 
 
 def require_dtype(op, dtype):
@@ -65,6 +84,12 @@ def to_dtype(t, dtype):
     """Round a result computed in `compute(dtype)` to the storage of `dtype`."""
     if dtype is ct.tfloat32:
         return round_tf32(t.to(torch.float32))
+    if dtype in FLOAT8:
+        if t.dtype == TORCH_DTYPE[dtype]:
+            return t
+        limit = FLOAT8[dtype]
+        # Clamping first is exact: anything beyond max rounds to max under satfinite.
+        return t.clamp(-limit, limit).to(TORCH_DTYPE[dtype])
     target = TORCH_DTYPE[dtype]
     return t if t.dtype == target else t.to(target)
 
@@ -73,6 +98,9 @@ def convert(t, src, dst):
     """Elementwise conversion of a tensor holding `src` values to `dst` (astype)."""
     if src == dst:
         return t
+    if src in FLOAT8:
+        # torch computes little on float8; every float8 value is exact in float32.
+        t = t.to(torch.float32)
     if dst is ct.bool_:
         return t != 0
     if is_float(src) and is_integral(dst):

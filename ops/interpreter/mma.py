@@ -1,18 +1,19 @@
 """Matrix multiplication: ct.mma and ct.matmul (the ``@`` operator)."""
 
-import torch
-
 import cuda.tile as ct
+import torch
 
 from ..cutile_internals import is_integral
 from .arguments import promote, require_tile
-from .dtypes import convert, to_dtype
+from .dtypes import FLOAT8, convert, to_dtype
 from .errors import KernelTypeError
 from .registry import OPS, emulates
 from .values import Tile
 
 # Operand dtype -> allowed accumulator dtypes (the table in help(ct.mma)).
 MMA_ACCUMULATORS = {
+    ct.float8_e4m3fn: (ct.float16, ct.float32),
+    ct.float8_e5m2: (ct.float16, ct.float32),
     ct.float16: (ct.float16, ct.float32),
     ct.bfloat16: (ct.float32,),
     ct.float32: (ct.float32,),
@@ -73,8 +74,9 @@ def mma(x, y, /, acc, *, use_fast_acc=False):
         raise KernelTypeError(f"{op}: acc must have shape {out_shape} for x {x.shape} and "
                               f"y {y.shape}, got {acc.shape}")
     _check_mma_dtypes(op, x.dtype, y.dtype, acc.dtype)
-    if use_fast_acc:
+    if use_fast_acc and x.dtype not in FLOAT8:
         raise KernelTypeError(f"{op}: use_fast_acc needs float8 operands")
+    # use_fast_acc lets the GPU keep fewer accumulator bits; we always sum in float32.
     product = _mma_product(x, y, acc.dtype)
     out = product + acc._t.to(product.dtype)
     if is_integral(acc.dtype):

@@ -11,6 +11,7 @@ from ..cutile_internals import DispatchMode, ScalarAnnotation, is_stub, kernel_f
 from .arguments import as_int
 from .dtypes import compute, to_dtype
 from .errors import KernelTypeError, UnsupportedOperation
+from .pybuiltins import tile_builtins
 from .registry import OPS, emulates
 from .values import Array, Tile
 
@@ -122,7 +123,8 @@ def launch(grid, kernel, args):
     call_args = [value if kind == "constant" else _kernel_argument(value, kind)
                  for value, kind in zip(args, kinds)]
     mode = Interpreter(grid)
-    with torch.no_grad(), mode.as_current():
+    # tile_builtins: max(tile, tile) and friends behave as the compiler makes them.
+    with torch.no_grad(), mode.as_current(), tile_builtins():
         for z in range(grid[2]):
             for y in range(grid[1]):
                 for x in range(grid[0]):

@@ -209,6 +209,13 @@ class Array(_TensorValue):
     def strides(self):
         return tuple(self._t.stride())
 
+    # Views: emulated in `views` (registered there under these names).
+    def slice(self, axis, start, stop):
+        return OPS["Array.slice"](self, axis, start, stop)
+
+    def tiled_view(self, tile_shape, **kwargs):
+        return OPS["Array.tiled_view"](self, tile_shape, **kwargs)
+
     def __getattr__(self, name):  # only called for attributes we do not define
         if name.startswith("__"):  # Python and libraries probing for protocols
             raise AttributeError(name)
