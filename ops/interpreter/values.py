@@ -87,9 +87,8 @@ class Tile(_TensorValue):
         if self._t.numel() != 1:
             raise KernelTypeError(
                 f"{what} of a tile with {self._t.numel()} elements is ambiguous. "
-                "Python's if/while/and/or, and the builtins min()/max() on tiles, "
-                "need a single element; use ct.where, ct.minimum or ct.maximum "
-                "for elementwise choices")
+                "Python's if/while/and/or need a single element; use ct.where (or "
+                "min()/max(), which are elementwise on tiles) for elementwise choices")
         return self._t.item()
 
     def __bool__(self):
