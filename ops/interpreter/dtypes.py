@@ -3,7 +3,7 @@
 import cuda.tile as ct
 import torch
 
-from ..cutile_internals import is_boolean, is_float, is_integral
+from ..cutile_internals import is_boolean, is_float, is_integral, promote_dtypes
 from .errors import KernelTypeError, UnsupportedOperation
 
 # How each cuTile dtype is stored in torch.  tfloat32 has no torch dtype: it
@@ -144,3 +144,12 @@ def promote_with_scalar(op, dtype, scalar):
         if not info.min <= scalar <= info.max:
             raise KernelTypeError(f"{op}: integer constant {scalar} is out of range of {dtype}")
     return dtype
+
+
+def widens_to(src, dst):
+    """Whether a ``src`` tile may be implicitly cast to ``dst`` (a store or scatter into a
+    ``dst`` array): cuTile's promotion of the two gives ``dst``, so the cast only widens."""
+    try:
+        return promote_dtypes(src, dst) == dst
+    except ct.TileError:
+        return False

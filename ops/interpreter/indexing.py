@@ -22,14 +22,13 @@ Semantics follow cuda-tile 1.7's documentation and compiler:
   otherwise ignored.
 """
 
-import torch
-
 import cuda.tile as ct
+import torch
 from cuda.tile import PaddingMode
 
-from ..cutile_internals import is_boolean, is_integral, is_signed, promote_dtypes
+from ..cutile_internals import is_boolean, is_integral, is_signed
 from .arguments import check_shape
-from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage
+from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError
 from .memory import _padding_value
 from .registry import emulates
@@ -72,11 +71,7 @@ def _broadcastable_to(shape, target):
 def _cast_to_array(op, what, value, dtype):
     """`value` (tile or scalar) as a tensor of `dtype`'s storage, by cuTile's implicit cast."""
     if isinstance(value, Tile):
-        try:
-            ok = promote_dtypes(value.dtype, dtype) == dtype
-        except ct.TileError:
-            ok = False
-        if not ok:
+        if not widens_to(value.dtype, dtype):
             raise KernelTypeError(f"{op}: cannot implicitly cast the {value.dtype} `{what}` "
                                   f"to the {dtype} array; use .astype({dtype}) first")
         return convert(value._t, value.dtype, dtype)

@@ -3,13 +3,11 @@
 import math
 
 import torch
-
-import cuda.tile as ct
 from cuda.tile import MemoryOrder, MemoryScope, PaddingMode
 
-from ..cutile_internals import is_boolean, is_float, is_signed, promote_dtypes
+from ..cutile_internals import is_boolean, is_float, is_signed
 from .arguments import as_int, as_tile, axis_index, check_shape, int_tuple
-from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage
+from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError
 from .registry import emulates
 from .values import Array, Tile
@@ -119,11 +117,7 @@ def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERM
 def _check_implicit_cast(op, value, dtype):
     """A store may widen (bf16 tile -> f32 array) but never narrow implicitly."""
     if isinstance(value, Tile):
-        try:
-            ok = promote_dtypes(value.dtype, dtype) == dtype
-        except ct.TileError:
-            ok = False
-        if not ok:
+        if not widens_to(value.dtype, dtype):
             raise KernelTypeError(f"{op}: cannot implicitly cast a {value.dtype} tile to "
                                   f"the {dtype} array; use .astype({dtype}) first")
         return
