@@ -51,10 +51,14 @@ Modules
 * `reductions`: reductions and scans, ``reduce`` and ``scan``;
 * `mma`: ``mma`` and ``matmul``; `shapes`: reshaping, permuting,
   broadcasting, ``cat``, ``extract``, ``insert``;
-* `debug`: ``static_eval``, ``static_assert``, ``assume_divisible_by``,
-  ``assert_``, ``print``, ``printf``;
+* `debug`: ``static_eval``, ``static_assert``, ``static_iter`` (a plain
+  Python loop), ``assume_divisible_by``, ``assert_``, ``print``, ``printf``,
+  and the ``grid_dependency_control_*`` launch hints (no-ops: launches run
+  one after the other to completion);
 * `atomics`: ``atomic_add`` ... ``atomic_cas``, lanes applied in C order;
   `views`: ``Array.slice`` and ``Array.tiled_view`` (`views.TiledView`);
+  `rawmemory`: ``Array.get_raw_memory`` and the element-offset loads,
+  stores and atomics of `rawmemory.RawArrayMemory`;
 * `pybuiltins`: Python's ``max``, ``min``, ``divmod``, ... on tiles;
 * `runner`: the dispatch mode, ``bid`` / ``num_blocks``, `is_interpreting`
   and `launch`.
@@ -133,15 +137,17 @@ float8_e5m3fnu and float4_e2m1fn raise `UnsupportedOperation`.
 
 Not emulated: the operations marked refused or in progress in
 ``COVERAGE.md`` (checked by ``tests/interpreter/test_coverage.py``), among
-them ``Array.get_raw_memory`` (offset loads, stores and atomics); also
-foreign pointers, unsigned types other than uint8, rounding modes other
+them foreign pointers, unsigned types other than uint8, rounding modes other
 than the default, flush-to-zero (ignored) and ``ct.float32(x)``-style dtype
 calls.  There is no timing and no concurrency: blocks run one at a
 time, x fastest, then y, then z.
 """
 
 # Every operation module is imported so that registry.OPS is complete.
-from . import arithmetic, atomics, creation, debug, indexing, memory, mma, reductions, shapes, views  # noqa: F401,E501
+from . import (  # noqa: F401
+    arithmetic, atomics, creation, debug, indexing, memory, mma, rawmemory, reductions, shapes,
+    views,
+)
 from .errors import (
     KernelAssertionError,
     KernelError,

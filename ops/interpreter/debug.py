@@ -1,5 +1,6 @@
 """Compile-time helpers, hints and debugging: static_eval, static_assert,
-assume_divisible_by, assert_, print and printf."""
+static_iter, assume_divisible_by, assert_, print, printf and the
+grid_dependency_control_* launch hints."""
 
 import builtins
 import re
@@ -8,7 +9,7 @@ import sys
 import torch
 
 from .arguments import as_tile, require_tile
-from .errors import KernelAssertionError, KernelValueError
+from .errors import KernelAssertionError, KernelTypeError, KernelValueError
 from .registry import emulates
 from .values import format_nested
 
@@ -62,3 +63,24 @@ def printf(format, *args):
         return format_nested(tile._t.tolist(), lambda v: spec % v)
 
     sys.stdout.write(_PRINTF_SPEC.sub(convert, format))
+
+
+@emulates("static_iter")
+def static_iter(iterable):
+    # The compiler inlines the loop body once per item of the iterable; a plain
+    # Python loop runs the same body with the same bindings.  ct.static_iter is a
+    # host stub whose body returns the iterable, and cuda.tile calls that body
+    # directly outside the compiler, so this entry documents the decision more
+    # than it runs.  Not checked: the compiler's limit of 1000 items and its ban
+    # on break / continue / return inside the loop.
+    return iterable
+
+
+@emulates("grid_dependency_control_wait", "grid_dependency_control_launch_dependents")
+def grid_dependency_control(*args, **kwargs):
+    # Programmatic dependent launch: "wait for the preceding kernel to finish" and
+    # "let the next kernel start scheduling".  Launches here run one after the
+    # other to completion, so the preceding kernel's writes are always visible
+    # and there is nothing to wait for or to release: both are no-ops.
+    if args or kwargs:
+        raise KernelTypeError("ct.grid_dependency_control_*: takes no arguments")

@@ -215,6 +215,10 @@ class Array(_TensorValue):
     def tiled_view(self, tile_shape, **kwargs):
         return OPS["Array.tiled_view"](self, tile_shape, **kwargs)
 
+    # Raw memory (offset loads, stores and atomics): emulated in `rawmemory`.
+    def get_raw_memory(self):
+        return OPS["Array.get_raw_memory"](self)
+
     def __getattr__(self, name):  # only called for attributes we do not define
         if name.startswith("__"):  # Python and libraries probing for protocols
             raise AttributeError(name)
