@@ -167,7 +167,8 @@ def _bits(t):
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
     if t.dtype.is_floating_point:
-        return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                       8: torch.int64}[t.element_size()])                # float8 .. float64
     return t
 
 

@@ -105,7 +105,13 @@ _active = 0
 
 @contextlib.contextmanager
 def tile_builtins():
-    """Install the replacements while the block runs (nesting and threads are counted)."""
+    """Install the replacements while a launch runs (nesting and threads are counted).
+
+    They are installed in Python's ``builtins`` module, so for the launch's duration the whole
+    process sees them: each behaves exactly as the original unless the calling thread is
+    running a kernel and an argument is a tile or array, but it is another object (it does not
+    pickle, and identity checks against the original fail). On the way out only the names that
+    still hold a replacement are restored: a name patched by someone else meanwhile is left."""
     global _active
     with _lock:
         if _active == 0:
@@ -119,4 +125,5 @@ def tile_builtins():
             _active -= 1
             if _active == 0:
                 for name, fn in _ORIGINAL.items():
-                    setattr(builtins, name, fn)
+                    if getattr(builtins, name) is _REPLACEMENTS.get(name):
+                        setattr(builtins, name, fn)

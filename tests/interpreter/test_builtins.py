@@ -155,3 +155,21 @@ def test_gpu_online_softmax_with_builtin_max():
     launch((2,), online_softmax_attention, gpu)
     torch.cuda.synchronize()
     torch.testing.assert_close(gpu[3].cpu(), cpu[3], rtol=0, atol=1e-5)
+
+
+def test_a_name_patched_during_a_launch_is_left_as_patched():
+    """Only the interpreter's own replacements are taken back when the launch ends."""
+    import builtins
+
+    from ops.interpreter.pybuiltins import tile_builtins
+    original = builtins.max
+    mine = lambda *args, **kwargs: original(*args, **kwargs)
+    try:
+        with tile_builtins():
+            builtins.max = mine
+        assert builtins.max is mine
+    finally:
+        builtins.max = original
+    with tile_builtins():
+        pass
+    assert builtins.max is original and builtins.min(3, 1) == 1

@@ -112,6 +112,18 @@ def test_scatter_rows(dtype):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_scatter_rows_of_float8(dtype):
+    """One-byte floats go through the duplicate-write check like the others."""
+    x = _source((40, 16), torch.float32, seed=4).to(dtype)
+    idx = torch.randperm(40, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    out = torch.full((40, 16), float("nan")).to(dtype)
+    launch((3,), scatter_rows, (x, idx, out, 16, 16))
+    expected = torch.empty_like(x)
+    expected[idx.long()] = x
+    assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_scatter_out_of_bounds_rows_are_dropped():
     x = randn(8, 8, seed=6)
     idx = torch.tensor([2, -1, 8, 0, 100, 5, -7, 7], dtype=torch.int32)
