@@ -250,7 +250,10 @@ def _register(name):
     return rmw
 
 
-for _name in ("add", "max", "min", "and", "or", "xor", "xchg"):
+# The read-modify-write atomics: one update operand each (cas, below, takes two).
+READ_MODIFY_WRITE = ("add", "max", "min", "and", "or", "xor", "xchg")
+
+for _name in READ_MODIFY_WRITE:
     _register(_name)
 del _name
 

@@ -76,7 +76,7 @@ def _rmw_method(name):
     return method
 
 
-for _name in ("add", "max", "min", "and", "or", "xor", "xchg"):
+for _name in atomics.READ_MODIFY_WRITE:
     setattr(RawArrayMemory, f"atomic_{_name}_offset", _rmw_method(_name))
 
 
@@ -216,7 +216,7 @@ def _register(name):
     return rmw
 
 
-for _name in ("add", "max", "min", "and", "or", "xor", "xchg"):
+for _name in atomics.READ_MODIFY_WRITE:
     _register(_name)
 del _name
 

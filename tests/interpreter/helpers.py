@@ -110,3 +110,15 @@ def semantics_args():
     i = torch.arange(-8, 8, dtype=torch.int32) * 5
     return (f, i, poisoned(16, dtype=torch.int32), poisoned(16, dtype=torch.int32),
             poisoned(16, dtype=torch.int32), poisoned(16), poisoned(16), 16)
+
+
+def on_gpu_and_cpu(grid, kernel, args):
+    """Run ``kernel`` on CPU copies (the interpreter) and CUDA copies (``ct.launch``) of
+    ``args``; returns both argument lists, the GPU's moved back to the CPU."""
+    from ops.launch import launch
+    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    launch(grid, kernel, cpu)
+    launch(grid, kernel, gpu)
+    torch.cuda.synchronize()
+    return cpu, [a.cpu() if isinstance(a, torch.Tensor) else a for a in gpu]

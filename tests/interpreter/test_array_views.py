@@ -8,7 +8,7 @@ import cuda.tile as ct
 
 from ops import interpreter
 from ops.interpreter import KernelTypeError, KernelValueError
-from tests.interpreter.helpers import poisoned, randint, randn
+from tests.interpreter.helpers import on_gpu_and_cpu, poisoned, randint, randn
 
 
 @ct.kernel
@@ -146,24 +146,21 @@ def test_atomic_store_on_float_view_rejects_bitwise():
 # The same kernels on a GPU (skipped without CUDA): interpreter vs ct.launch
 # ---------------------------------------------------------------------------
 
-def _gpu_and_cpu(grid, kernel, args):
-    from tests.interpreter.test_gpu_parity import _on_gpu_and_cpu
-    return _on_gpu_and_cpu(grid, kernel, args)
 
 
 @pytest.mark.gpu
 def test_gpu_slice_and_tiled_view():
-    cpu, gpu = _gpu_and_cpu(2, copy_rows, (randn(40, 16, seed=21), poisoned(40, 16), 5, 37, 16))
+    cpu, gpu = on_gpu_and_cpu(2, copy_rows, (randn(40, 16, seed=21), poisoned(40, 16), 5, 37, 16))
     # Untouched rows stay NaN on both sides; doubling is exact.
     torch.testing.assert_close(gpu[1], cpu[1], rtol=0, atol=0, equal_nan=True)
-    cpu, gpu = _gpu_and_cpu((3, 4), tiled_scale, (randn(37, 50, seed=22), poisoned(37, 50),
+    cpu, gpu = on_gpu_and_cpu((3, 4), tiled_scale, (randn(37, 50, seed=22), poisoned(37, 50),
                                                   16, 16))
     assert torch.equal(gpu[1], cpu[1])  # one rounded addition per element: exact
 
 
 @pytest.mark.gpu
 def test_gpu_tiled_view_atomic_store_add():
-    cpu, gpu = _gpu_and_cpu((4, 2), column_sums, (randn(100, 24, seed=23), torch.zeros(24),
+    cpu, gpu = on_gpu_and_cpu((4, 2), column_sums, (randn(100, 24, seed=23), torch.zeros(24),
                                                   32, 16))
     # 4 partial sums of 32 terms each, |sum| < 60, in other orders: atol 1e-4.
     torch.testing.assert_close(gpu[1], cpu[1], rtol=0, atol=1e-4)

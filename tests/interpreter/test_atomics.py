@@ -6,7 +6,7 @@ import cuda.tile as ct
 
 from ops import interpreter
 from ops.interpreter import KernelTypeError, KernelValueError
-from tests.interpreter.helpers import randint, randn
+from tests.interpreter.helpers import on_gpu_and_cpu, randint, randn
 
 
 @ct.kernel
@@ -167,15 +167,12 @@ def test_out_of_bounds_without_check_is_an_error():
 # The same kernels on a GPU (skipped without CUDA): interpreter vs ct.launch
 # ---------------------------------------------------------------------------
 
-def _gpu_and_cpu(grid, kernel, args):
-    from tests.interpreter.test_gpu_parity import _on_gpu_and_cpu
-    return _on_gpu_and_cpu(grid, kernel, args)
 
 
 @pytest.mark.gpu
 def test_gpu_histogram():
     values = randint(5000, low=0, high=16, seed=11)
-    cpu, gpu = _gpu_and_cpu(40, histogram, (values, torch.zeros(16, dtype=torch.int32), 128))
+    cpu, gpu = on_gpu_and_cpu(40, histogram, (values, torch.zeros(16, dtype=torch.int32), 128))
     assert torch.equal(gpu[1], cpu[1])  # integer adds: exact
 
 
@@ -183,10 +180,10 @@ def test_gpu_histogram():
 def test_gpu_max_and_cas():
     x = randint(700, low=-10**6, high=10**6, seed=12)
     init = torch.full((1,), torch.iinfo(torch.int32).min, dtype=torch.int32)
-    cpu, gpu = _gpu_and_cpu(6, global_max, (x, init, 128))
+    cpu, gpu = on_gpu_and_cpu(6, global_max, (x, init, 128))
     assert torch.equal(gpu[1], cpu[1])
     owner = torch.full((8,), -1, dtype=torch.int32)
-    cpu, gpu = _gpu_and_cpu(3, claim_slots, (owner, torch.zeros(3, 8, dtype=torch.int32), 8))
+    cpu, gpu = on_gpu_and_cpu(3, claim_slots, (owner, torch.zeros(3, 8, dtype=torch.int32), 8))
     # Which block wins is up to the GPU; each slot has exactly one owner, and
     # every block other than the winner saw the winner's id.
     winners = gpu[0]
@@ -199,7 +196,7 @@ def test_gpu_max_and_cas():
 @pytest.mark.gpu
 def test_gpu_float_add():
     x = randn(512, seed=13)
-    cpu, gpu = _gpu_and_cpu(4, float_sum, (x, torch.zeros(4), 128))
+    cpu, gpu = on_gpu_and_cpu(4, float_sum, (x, torch.zeros(4), 128))
     # 128 float32 terms of |x| < 5 per element, added in another order on the
     # GPU: at most 128 half-ulps of a sum below 640, so atol 1e-3.
     torch.testing.assert_close(gpu[1], cpu[1], rtol=0, atol=1e-3)

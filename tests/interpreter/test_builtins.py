@@ -8,7 +8,7 @@ import torch
 
 from ops import interpreter
 from ops.interpreter import KernelTypeError
-from tests.interpreter.helpers import evaluate, poisoned, randint, randn
+from tests.interpreter.helpers import evaluate, on_gpu_and_cpu, poisoned, randint, randn
 
 ConstInt = ct.Constant[int]
 
@@ -147,14 +147,8 @@ def test_cdiv():
 
 @pytest.mark.gpu
 def test_gpu_online_softmax_with_builtin_max():
-    from ops.launch import launch
-    args = _attention_args(seed=5)
-    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    launch((2,), online_softmax_attention, cpu)
-    launch((2,), online_softmax_attention, gpu)
-    torch.cuda.synchronize()
-    torch.testing.assert_close(gpu[3].cpu(), cpu[3], rtol=0, atol=1e-5)
+    cpu, gpu = on_gpu_and_cpu((2,), online_softmax_attention, _attention_args(seed=5))
+    torch.testing.assert_close(gpu[3], cpu[3], rtol=0, atol=1e-5)
 
 
 def test_a_name_patched_during_a_launch_is_left_as_patched():

@@ -7,7 +7,7 @@ import torch
 
 from ops import interpreter
 from ops.interpreter import KernelTypeError, UnsupportedOperation
-from tests.interpreter.helpers import evaluate, poisoned, randn
+from tests.interpreter.helpers import evaluate, on_gpu_and_cpu, poisoned, randn
 
 ConstInt = ct.Constant[int]
 FLOAT8 = [(ct.float8_e4m3fn, torch.float8_e4m3fn), (ct.float8_e5m2, torch.float8_e5m2)]
@@ -133,16 +133,11 @@ def test_dtypes_without_emulation_name_themselves(dtype):
 @pytest.mark.parametrize("ct_dtype, torch_dtype", FLOAT8)
 def test_gpu_quantize_round_trip(ct_dtype, torch_dtype):
     """Also checks the saturation assumption (inf and overflow become +-max)."""
-    from ops.launch import launch
     x = randn(128, seed=7) * 300
     x[:4] = torch.tensor([math.inf, -math.inf, 1e6, math.nan])
     args = [x, torch.zeros(128, dtype=torch_dtype), poisoned(128), 32]
-    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    launch((4,), quantize_round_trip, cpu)
-    launch((4,), quantize_round_trip, gpu)
-    torch.cuda.synchronize()
-    assert torch.equal(gpu[1].cpu().view(torch.uint8), cpu[1].view(torch.uint8))
+    cpu, gpu = on_gpu_and_cpu((4,), quantize_round_trip, args)
+    assert torch.equal(gpu[1].view(torch.uint8), cpu[1].view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import cuda.tile as ct
 from ops import interpreter
 from ops.interpreter import KernelTypeError, KernelValueError
 from ops.launch import launch
-from tests.interpreter.helpers import poisoned, randint, randn
+from tests.interpreter.helpers import on_gpu_and_cpu, poisoned, randint, randn
 
 ConstInt = ct.Constant[int]
 
@@ -367,13 +367,6 @@ def test_errors(body, error, words):
 # The GPU against the interpreter
 # ---------------------------------------------------------------------------
 
-def _on_gpu_and_cpu(grid, kernel, args):
-    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    launch(grid, kernel, cpu)
-    launch(grid, kernel, gpu)
-    torch.cuda.synchronize()
-    return cpu, [a.cpu() if isinstance(a, torch.Tensor) else a for a in gpu]
 
 
 def _assert_same(gpu, cpu):
@@ -385,7 +378,7 @@ def _assert_same(gpu, cpu):
 def test_gpu_gather_rows(dtype):
     idx = torch.cat([_indices(46, 37, seed=30), torch.tensor([-1, 37, 40, -50], dtype=torch.int32)])
     args = (_source((37, 16), dtype, seed=31), idx, poisoned(50, 16, dtype=dtype), 16, 16)
-    cpu, gpu = _on_gpu_and_cpu((4,), gather_rows, args)
+    cpu, gpu = on_gpu_and_cpu((4,), gather_rows, args)
     _assert_same(gpu[2], cpu[2])
 
 
@@ -394,7 +387,7 @@ def test_gpu_scatter_rows():
     idx = torch.randperm(40, generator=torch.Generator().manual_seed(32)).to(torch.int32)
     idx[[3, 17]] = torch.tensor([-1, 40], dtype=torch.int32)  # dropped rows
     args = (randn(40, 16, seed=33), idx, poisoned(40, 16), 16, 16)
-    cpu, gpu = _on_gpu_and_cpu((3,), scatter_rows, args)
+    cpu, gpu = on_gpu_and_cpu((3,), scatter_rows, args)
     _assert_same(gpu[2], cpu[2])
 
 
@@ -402,7 +395,7 @@ def test_gpu_scatter_rows():
 def test_gpu_masked_gather():
     args = (randn(100, seed=34), _indices(64, 120, seed=35, low=-10), poisoned(64),
             randn(64, seed=36), 16)
-    cpu, gpu = _on_gpu_and_cpu((4,), masked_gather, args)
+    cpu, gpu = on_gpu_and_cpu((4,), masked_gather, args)
     _assert_same(gpu[2], cpu[2])
 
 
@@ -410,7 +403,7 @@ def test_gpu_masked_gather():
 def test_gpu_gather_2d_index():
     args = (randn(50, seed=37), _indices(32, 60, seed=38, low=-5).reshape(4, 8), poisoned(4, 8),
             4, 8)
-    cpu, gpu = _on_gpu_and_cpu((1,), gather_2d_index, args)
+    cpu, gpu = on_gpu_and_cpu((1,), gather_2d_index, args)
     _assert_same(gpu[2], cpu[2])
 
 
@@ -419,7 +412,7 @@ def test_gpu_gather_2d_index():
 def test_gpu_load_advanced_indexing(col0):
     idx = torch.tensor([11, 0, 12, 3, -1, 7, 7, 2], dtype=torch.int32)
     args = (randn(12, 10, seed=39), idx, poisoned(8, 8), col0, 8, 8)
-    cpu, gpu = _on_gpu_and_cpu((1,), take_rows_cols, args)
+    cpu, gpu = on_gpu_and_cpu((1,), take_rows_cols, args)
     _assert_same(gpu[2], cpu[2])
 
 
@@ -427,5 +420,5 @@ def test_gpu_load_advanced_indexing(col0):
 def test_gpu_store_advanced_indexing():
     idx = torch.tensor([4, 0, 9, 2, -3, 6, 1, 3], dtype=torch.int32)
     args = (randn(8, 4, seed=40), idx, poisoned(8, 6), 3, 8, 4)
-    cpu, gpu = _on_gpu_and_cpu((1,), put_rows_cols, args)
+    cpu, gpu = on_gpu_and_cpu((1,), put_rows_cols, args)
     _assert_same(gpu[2], cpu[2])

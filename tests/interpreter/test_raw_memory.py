@@ -10,7 +10,7 @@ import torch
 
 from ops import interpreter
 from ops.interpreter import KernelTypeError, KernelValueError
-from tests.interpreter.helpers import poisoned, randint, randn
+from tests.interpreter.helpers import on_gpu_and_cpu, poisoned, randint, randn
 
 
 @ct.kernel
@@ -255,27 +255,19 @@ def test_grid_dependency_control_is_a_no_op():
     assert torch.equal(x, y)
 
 
-def _gpu_and_cpu(grid, kernel, args):
-    from ops.launch import launch
-    cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-    launch(grid, kernel, cpu)
-    launch(grid, kernel, gpu)
-    torch.cuda.synchronize()
-    return cpu, [a.cpu() if isinstance(a, torch.Tensor) else a for a in gpu]
 
 
 @pytest.mark.gpu
 def test_gpu_raw_memory_parity():
     offsets = randint(40, low=-5, high=64, seed=2)
-    cpu, gpu = _gpu_and_cpu(5, gather_offsets, (randn(64, seed=1), offsets, poisoned(40), 8))
+    cpu, gpu = on_gpu_and_cpu(5, gather_offsets, (randn(64, seed=1), offsets, poisoned(40), 8))
     assert torch.equal(gpu[2], cpu[2])
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(3)).to(torch.int32)
     args = (poisoned(64), torch.where(perm % 5 == 0, -1, perm).to(torch.int32),
             randn(64, seed=4), 8)
-    cpu, gpu = _gpu_and_cpu(8, scatter_offsets, args)
+    cpu, gpu = on_gpu_and_cpu(8, scatter_offsets, args)
     torch.testing.assert_close(gpu[0], cpu[0], rtol=0, atol=0, equal_nan=True)
-    cpu, gpu = _gpu_and_cpu(1, transpose_by_offsets, (randn(8, 16, seed=6), poisoned(16, 8),
+    cpu, gpu = on_gpu_and_cpu(1, transpose_by_offsets, (randn(8, 16, seed=6), poisoned(16, 8),
                                                        8, 16))
     assert torch.equal(gpu[1], cpu[1])
 
@@ -284,17 +276,17 @@ def test_gpu_raw_memory_parity():
 def test_gpu_atomic_offset_parity():
     args = (randint(64, low=0, high=12, seed=5), torch.zeros(10, dtype=torch.int32),
             poisoned(64, dtype=torch.int32), 16)
-    cpu, gpu = _gpu_and_cpu(4, histogram_offsets, args)
+    cpu, gpu = on_gpu_and_cpu(4, histogram_offsets, args)
     assert torch.equal(gpu[1], cpu[1])  # counts are exact; old values depend on the order
     owner = torch.full((8,), -1, dtype=torch.int32)
-    cpu, gpu = _gpu_and_cpu(3, claim_offsets, (owner, 8))
+    cpu, gpu = on_gpu_and_cpu(3, claim_offsets, (owner, 8))
     # Some block claims every slot; on the GPU it need not be block 0.
     assert bool(((gpu[0] >= 0) & (gpu[0] < 3)).all()) and cpu[0].tolist() == [0] * 8
 
 
 @pytest.mark.gpu
 def test_gpu_static_iter_and_grid_dependency_parity():
-    cpu, gpu = _gpu_and_cpu(1, static_iter_states, (poisoned(4, 4, dtype=torch.int32),))
+    cpu, gpu = on_gpu_and_cpu(1, static_iter_states, (poisoned(4, 4, dtype=torch.int32),))
     assert torch.equal(gpu[0], cpu[0])
-    cpu, gpu = _gpu_and_cpu(4, dependent_copy, (randn(32, seed=11), poisoned(32), 8))
+    cpu, gpu = on_gpu_and_cpu(4, dependent_copy, (randn(32, seed=11), poisoned(32), 8))
     assert torch.equal(gpu[1], cpu[1])
