@@ -181,37 +181,15 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
 def _recompute(x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus,
                dt_limit, configs, states_dtype, need_y):
     """The forward's intermediates (dt_out, dA_cumsum, entry states) and, when ``need_y``, its
-    pre-gate output y (else None). Without y only chunk_cumsum and fwd_pass_state run: their
-    launches as ``kernel_forward`` makes them (the same configs, tuned or given), compute_out
-    (the forward's costliest kernel) skipped."""
+    pre-gate output y (else None): ``kernel_forward`` with the same configs (tuned or given),
+    without D and z, and without compute_out (the forward's costliest kernel) unless y is
+    needed."""
     fwd_configs = {k: v for k, v in configs.items() if k in forward_module.KERNELS}
-    if need_y:
-        y, _, (dt_out, dA_cumsum, entry) = forward_module.kernel_forward(
-            x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=initial_states,
-            seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, configs=fwd_configs,
-            states_dtype=states_dtype, return_intermediates=True)
-        return dt_out, dA_cumsum, entry, y
-    # kernel_forward's first two steps, as it describes the call (D and z absent).
-    batch, seqlen, nheads, headdim = x.shape
-    states_dtype = states_dtype or x.dtype
-    shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=B.shape[2],
-                 dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype,
-                 states_dtype=states_dtype, on_gpu=x.is_cuda)
-    features = ("s" if seq_idx is not None else "") + ("i" if initial_states is not None else "")
-    stream = torch.cuda.current_stream() if x.is_cuda else None
-    cumsum_args = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    cfg = forward_module._config(
-        "chunk_cumsum", fwd_configs, shape, features,
-        lambda c: forward_module.chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
-    dt_out, dA_cumsum = forward_module._run_step("chunk_cumsum", (dt, A, chunk_size),
-                                                 cumsum_args, cfg, stream)
-    state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=states_dtype)
-    cfg = forward_module._config(
-        "fwd_pass_state", fwd_configs, shape, features,
-        lambda c: forward_module.fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
-    entry, _final = forward_module._run_step("fwd_pass_state", (x, B, dt_out, dA_cumsum),
-                                             state_args, cfg, stream)
-    return dt_out, dA_cumsum, entry, None
+    y, _, (dt_out, dA_cumsum, entry) = forward_module.kernel_forward(
+        x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=initial_states,
+        seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, configs=fwd_configs,
+        states_dtype=states_dtype, return_intermediates=True, with_output=need_y)
+    return dt_out, dA_cumsum, entry, y
 
 
 def _skip_dy(dout, z, sl):

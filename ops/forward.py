@@ -120,9 +120,11 @@ def _run_step(name, args, options, config, stream=None):
 def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), configs=None, states_dtype=None,
-                   return_intermediates=False):
+                   return_intermediates=False, with_output=True):
     """-> (out (b, L, h, p) in x's dtype, final_states (b, h, p, n) float32), and with
     ``return_intermediates`` a third item (dt_out, dA_cumsum, entry_states).
+    ``with_output=False`` stops before compute_out (out is then None): the backward's recompute
+    wants only the intermediates.
 
     ``states_dtype``: the dtype of the stored entry states (default x's dtype).
 
@@ -159,11 +161,14 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     entry_states, final_states = _run_step("fwd_pass_state", (x, B, dt_out, dA_cumsum), state_args,
                                            cfg, stream)
 
-    out_args = dict(D=D, z=z, seq_idx=seq_idx)
-    cfg = _config("compute_out", configs, shape, features,
-                  lambda c: compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args, config=c))
-    out, = _run_step("compute_out", (x, B, C, dt_out, dA_cumsum, entry_states), out_args, cfg,
-                     stream)
+    out = None
+    if with_output:
+        out_args = dict(D=D, z=z, seq_idx=seq_idx)
+        cfg = _config("compute_out", configs, shape, features,
+                      lambda c: compute_out(x, B, C, dt_out, dA_cumsum, entry_states, **out_args,
+                                            config=c))
+        out, = _run_step("compute_out", (x, B, C, dt_out, dA_cumsum, entry_states), out_args,
+                         cfg, stream)
     if return_intermediates:
         return out, final_states, (dt_out, dA_cumsum, entry_states)
     return out, final_states
