@@ -79,8 +79,9 @@ def check_dtype(op, name, dtype):
                               f"{allowed})")
 
 
-def operand_values(op, value, dtype, shape, what, bitwise):
-    """`value` (tile or scalar) broadcast to `shape` and converted to the array's `dtype`."""
+def operand_values(op, value, dtype, shape, what, bitwise, shape_name="index"):
+    """`value` (tile or scalar) broadcast to `shape` (the `shape_name` shape, for messages)
+    and converted to the array's `dtype` by the implicit-cast rule of stores."""
     if not isinstance(value, Tile) and not is_scalar(value):
         raise KernelTypeError(f"{op}: {what} must be a tile or a scalar, "
                               f"got {type(value).__name__}")
@@ -98,7 +99,7 @@ def operand_values(op, value, dtype, shape, what, bitwise):
         data = torch.broadcast_to(tile._t, shape)
     except RuntimeError:
         raise KernelTypeError(f"{op}: {what} shape {tile.shape} is not broadcastable to the "
-                              f"index shape {tuple(shape)}") from None
+                              f"{shape_name} shape {tuple(shape)}") from None
     return convert(data, tile.dtype, dtype)
 
 

@@ -32,10 +32,8 @@ from cuda.tile import MemoryOrder, MemoryScope
 
 from ..cutile_internals import is_boolean, is_integral
 from . import atomics
-from .arguments import as_tile
-from .dtypes import convert, is_scalar, storage
+from .dtypes import storage
 from .errors import KernelTypeError, KernelValueError
-from .memory import _check_implicit_cast
 from .registry import OPS, emulates
 from .values import Array, Tile
 
@@ -140,22 +138,8 @@ def _check_latency(op, latency):
 
 def _cast_value(op, value, dtype, shape, what):
     """`value` implicitly cast to `dtype` and broadcast to `shape` (store / padding rules)."""
-    if not isinstance(value, Tile) and not is_scalar(value):
-        raise KernelTypeError(f"{op}: {what} must be a tile or a scalar, "
-                              f"got {type(value).__name__}")
-    try:
-        _check_implicit_cast(op, value, dtype)
-    except KernelTypeError:
-        raise KernelTypeError(f"{op}: {what} of dtype "
-                              f"{value.dtype if isinstance(value, Tile) else repr(value)} "
-                              f"cannot be implicitly cast to the {dtype} array") from None
-    tile = as_tile(value)
-    try:
-        data = torch.broadcast_to(tile._t, shape)
-    except RuntimeError:
-        raise KernelTypeError(f"{op}: {what} shape {tile.shape} is not broadcastable to the "
-                              f"offset shape {tuple(shape)}") from None
-    return convert(data, tile.dtype, dtype)
+    return atomics.operand_values(op, value, dtype, shape, what, bitwise=False,
+                                  shape_name="offset")
 
 
 @emulates("RawArrayMemory.load_offset")
