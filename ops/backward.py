@@ -5,48 +5,47 @@ the specification, step by step, and names the same quantities):
 
     recompute          chunk_cumsum, fwd_pass_state (and compute_out only when dz needs y)
                                                            -> dt_out, dA_cumsum, entry states (, y)
-    gate and skip      out = (y + D x) * silu(z)           -> dy, dD, dz      (PyTorch, float32,
-                                                              over slices of the tokens)
+    gate               out = (y + D x) * silu(z)           -> dy, dz          (PyTorch, float32,
+                                                              over slices of the tokens; without
+                                                              z, dy is dout and nothing runs)
     (c) bwd_compute_out    its dentry launch: dy -> dentry
     (b) bwd_pass_state     dentry, dfinal -> dS, ddA_cumsum at each chunk's last token,
                            dinitial                          (the chunks in reverse order)
-    (c) bwd_compute_out    its token launch: dy -> dx, dB, dC (each summed over its group's
-                           heads), ddt_out, ddA_cumsum
-        bwd_chunk_states   dS -> dx, dB (summed over its group's heads), ddt_out, ddA_cumsum,
-                           added into compute_out's float32 dx, ddt_out, ddA_cumsum
+    (c) bwd_compute_out    its token launch: dy, dS, D -> dx (complete, in its final dtype),
+                           dB, dC (each summed over its group's heads), ddt_out, ddA_cumsum,
+                           dD's partials: compute_out's gradients, those through each chunk's
+                           own state (bwd_chunk_states' work, fused: FUSE_STATES) and the skip's
     (a) bwd_chunk_cumsum   ddt_out, ddA_cumsum (the three steps' contributions summed)
                            -> ddt, dA, ddt_bias
 
-and the host adds what remains: dx += the skip's dy D (in place); dB = compute_out's +
-chunk_states'; dA and ddt_bias are the cumsum kernel's per-chunk partials summed. Every sum runs
-in a fixed order (no atomics), so the gradients are bitwise reproducible.
+and the host adds what remains: dB and dC's head-split partials, d dA at each chunk's last token
+(the pass' term and the token tiles' sums), dD's token-tile partials; dA and ddt_bias are the
+cumsum kernel's per-chunk partials summed. Every sum runs in a fixed order (no atomics), so the
+gradients are bitwise reproducible. With ``configs={"bwd_compute_out": {"FUSE_STATES": False}}``
+the token launch leaves the states' gradients to ``bwd_chunk_states``, launched after it, which
+adds its dx, ddt_out and ddA_cumsum into the token launch's (then float32) ones.
 
 Memory (bytes beyond the inputs and dout, at batch 8 x 2K tokens, 80 heads of 64 x 128, 1 group,
 bf16, chunk 256 (128 where it differs), D, no z; ``memory_accounting`` computes them for any shape
 and ``tests/test_backward_kernels.py`` checks them)
-    Before, alive together at the end (dx's sums), 3.18 GB (3.6 GB at chunk 128; measured on an
-    H200 as a training step's peak: 3.2 and 3.7 GB, against 0.54 GB for mamba_ssm's Triton):
-        dB per head from chunk_states, float32 (b, L, h, n)                      671 MB
-        dx's float32 partials dx_c, dx_s, dx_skip and the two sums (b, L, h, p)   5 x 336 MB
-        dy in x's dtype (a copy of dout) 168 MB (and before it, in float32, 336 MB, with the
-        float32 copies of dout and x and their product in the gate: 4 x 336 MB at once)
-        the recomputed y, never read without z 168 MB; the final state 21 MB
-        entry states (b, c, h, p, n) bf16 84 MB (168); dentry and dS float32 168 + 168 MB
-        (336 + 336); ddt/ddA partials of both kernels and their sums (b, h, c, l) 4 x 5 MB
-        and the operator's float32 results, then their bf16 copies (dx 168 MB).
-    After, 544 MB at the peak (the gradients' conversion to x's dtype, beside the float32 dx;
-    compute_out's token launch, 541 MB, is about as large; 709 MB at chunk 128; 877 MB with z,
-    whose dz and dy in x's dtype add 2 x 168 MB):
-        compute_out's float32 dx 336 MB, the one float32 dx: chunk_states adds into it and the
-        skip's term is added in place; returned in x's dtype (168 MB, the float32 one freed)
+    First version, alive together at the end (dx's sums), 3.18 GB (3.6 GB at chunk 128;
+    measured on an H200 as a training step's peak: 3.2 and 3.7 GB, against 0.54 GB for
+    mamba_ssm's Triton): dB per head from chunk_states, float32 (b, L, h, n) 671 MB; dx's float32
+    partials and their sums, 5 x 336 MB; float32 copies of dout, x and their product in the gate;
+    the recomputed y, never read without z; float32 dentry and dS.
+    Now 429 MB at the peak, compute_out's token launch (703 MB at chunk 128, where the pass'
+    dentry and dS, twice as large, peak; 765 MB with z, whose dz and dy in x's dtype add
+    2 x 168 MB):
+        dx in x's dtype 168 MB, written once by the token launch (no float32 dx)
         dS 84 MB (168), stored in bf16 for bf16 inputs (the products round it so anyway)
         entry states 84 MB (168), freed after compute_out's token launch
-        dentry 168 MB (336), freed after the pass, before dx exists
-        dB, dC (b, L, g, n) 8 MB each, chunk_states' head-split partials 5 x 8 MB
-        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5 MB
-        dy: dout itself (without z); the gate's float32 temporaries: ~16 MB slices
-        y not computed without z; no float32 copy of dout, x or dy.
-    (Not yet measured on a GPU; ``test_peak_memory_on_gpu`` bounds it at a smaller shape.)
+        dentry 168 MB (336), float32, freed after the pass, before dx exists
+        dB, dC head-split partials: 4 splits x 2 x 8 MB (``bwd_compute_out.BLOCKS_PER_SM``)
+        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5 MB; dD's partials 5 MB
+        dy: dout itself (without z); y not computed without z.
+    Measured on an H200 as a training step's peak (``tests/benchmark/fwd_bwd.py``, the forward's
+    output and the gradients included): 729 MiB at chunk 256 and 1060 MiB at chunk 128, against
+    712 MiB for mamba_ssm's Triton at chunk 256 (``results/fwd_bwd_h200.csv``).
 
 Saved and recomputed
     The operator saves only its inputs. The backward runs the forward kernels once more,
@@ -75,8 +74,11 @@ import torch
 from . import forward as forward_module
 from .bwd_chunk_cumsum import bwd_chunk_cumsum
 from .bwd_chunk_states import bwd_chunk_states
+from .bwd_chunk_states import default_config as chunk_states_config
 from .bwd_compute_out import bwd_compute_out_plan
+from .bwd_compute_out import default_config as compute_out_config
 from .bwd_pass_state import bwd_pass_state
+from .configs import resolve_config
 from .launch import run
 from .utils import as_int32
 
@@ -87,8 +89,9 @@ INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
 BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
 
-# The elementwise gate and skip run over slices of at most this many (token x head x headdim)
-# elements: their float32 temporaries stay ~16 MB each instead of x's size in float32.
+# The elementwise gate (and dD when the kernels do not run) runs over slices of at most this many
+# (token x head x headdim) elements: its float32 temporaries stay ~16 MB each instead of x's size
+# in float32.
 SLICE_ELEMENTS = 1 << 22
 
 
@@ -108,7 +111,6 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     as this module's docstring lists them: a dict of step -> {tensor: bytes}, and "peak" ->
     (step, bytes). Inputs are taken contiguous (views are copied, and dout in x's dtype:
     otherwise dy is a copy of it). Every tensor is counted, the (b, h, c, l) ones too."""
-    from .bwd_chunk_states import default_config as states_config
     from .bwd_compute_out import default_config as out_config
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
     se = torch.empty((), dtype=states_dtype or dtype).element_size()
@@ -122,9 +124,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     groups = batch * seqlen * ngroups * dstate * f32                # a (b, L, g, n) tensor
     final = batch * nheads * headdim * dstate * f32
     per_group = nheads // ngroups
-    out_splits = per_group // out_config(**shape)["HEADS_PER_BLOCK"]
-    st_cfg = states_config(**shape)
-    st_splits = per_group // st_cfg["HEADS_PER_BLOCK"]
+    out_cfg = out_config(**shape)
+    out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     width = nheads * headdim
     slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
     ds = e if dtype == torch.bfloat16 else f32
@@ -137,41 +138,39 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     recompute = {**base, "entry states": states * se, "final state": final}
     if z:
         recompute["y (pre-gate)"] = tokens * e
-    # float32 slice temporaries alive at once: the gate's dz expression with z, its dy and dD
-    # products without; the skip's dx term afterwards
+    # float32 slice temporaries alive at once: the gate's dz expression with z (without z the
+    # gate has nothing to do: dy is dout, and the token kernel computes dD and the skip's dx)
     gate = {**base, **kept, **dy, "entry states": states * se,
-            "float32 slice temporaries": (8 if z else 2) * slice_bytes}
+            "float32 slice temporaries": (8 if z else 0) * slice_bytes}
     if z:
         gate["y (pre-gate)"] = tokens * e
     split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
+    tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
+    token_parts = {"ddA_tiles": chunked // out_cfg["BLOCK_T"],
+                   "dD partials": batch * tiles * nheads * headdim * f32}
+    dx = {"dx (x's dtype)": tokens * e}                       # written once, complete
     steps = {
         "recompute": recompute,
-        "gate and skip": gate,
+        "gate": gate,
         "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se,
                                  "dentry": states * f32},
         "pass_state": {**base, **kept, **dy, "entry states": states * se,
                        "dentry": states * f32, "dS": states * ds, "dinitial": final,
                        "d dA[last] partials": chunked // chunk_size * 2},
         "compute_out's tokens": {**base, **kept, **dy, **dinit, **last, "entry states": states * se,
-                                 "dS": states * ds, "dx (float32)": tokens * f32,
-                                 "ddt_out, ddA": 2 * chunked,
-                                 "dB, dC partials": 2 * out_splits * groups},
-        "the split partials summed": {**base, **kept, **dinit, **last, "dS": states * ds,
-                                      "dx (float32)": tokens * f32, "ddt_out, ddA": 2 * chunked,
+                                 "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
+                                 "dB, dC partials": 2 * out_splits * groups, **token_parts},
+        "the split partials summed": {**base, **kept, **dinit, **last, "dS": states * ds, **dx,
+                                      "ddt_out, ddA": 2 * chunked,
                                       "dB, dC partials": 2 * out_splits * groups,
-                                      "dB, dC (their sums)": 2 * split_sum(out_splits)},
-        "chunk_states": {**base, **kept, **dinit, **last, "dS": states * ds,
-                         "dx (float32)": tokens * f32,
-                         "ddt_out, ddA": 2 * chunked, "dB, dC": 2 * groups,
-                         "dB partials": st_splits * groups + split_sum(st_splits),
-                         "ddA tiles": chunked // st_cfg["BLOCK_T"]},
-        "the skip's dx": {**base, **kept, **dinit, "dx (float32)": tokens * f32,
-                          "dB, dC": 2 * groups, "ddt (b, L, h)": batch * seqlen * nheads * f32,
-                          "float32 slice temporaries": (4 if z else 2) * slice_bytes},
-        "dx in x's dtype": {**base, **kept, **dinit, "dx (float32)": tokens * f32,
-                            "dx": tokens * e if e != f32 else 0, "dB, dC": 2 * groups,
-                            "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
-                            "ddt (b, L, h)": batch * seqlen * nheads * f32},
+                                      "dB, dC (their sums)": 2 * split_sum(out_splits),
+                                      **token_parts},
+        "chunk_cumsum": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
+                         "ddt_out, ddA": 2 * chunked, "dD partials": token_parts["dD partials"],
+                         "ddt (b, L, h)": batch * seqlen * nheads * f32},
+        "gradients in x's dtype": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
+                                   "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
+                                   "ddt (b, L, h)": batch * seqlen * nheads * f32},
     }
     totals = {k: sum(v.values()) for k, v in steps.items()}
     top = max(totals, key=totals.get)
@@ -192,21 +191,13 @@ def _recompute(x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_
     return dt_out, dA_cumsum, entry, y
 
 
-def _skip_dy(dout, z, sl):
-    """dy = dout * silu'(z) factor (dout * z * sigmoid(z)), or dout, in float32 for one slice."""
-    d = dout[sl].float()
-    if z is None:
-        return d
-    zs = z[sl].float()
-    return d * zs * torch.sigmoid(zs)
-
-
 def gate_and_skip_backward(dout, y, x, D=None, z=None, want_dD=True, want_dz=True,
                            want_dy=True, dz_dtype=torch.float32):
     """out = (y + D x) * silu(z), in float32 -> (dy in x's dtype (contiguous; the kernels'
     operand) or None, dD (float32) or None, dz (in ``dz_dtype``) or None), as
     ``reference.backward.gate_and_skip_backward``; y is read only for dz. The skip's dx (dy D)
-    is not formed here: ``kernel_backward`` adds it into the kernels' float32 dx.
+    is not formed here: compute_out's token kernel adds it (and, when the kernels run, computes
+    dD too: ``kernel_backward`` then asks for no dD here).
 
     The arithmetic runs in float32 over ``token_slices`` (a few slice-sized temporaries, not
     x-sized float32 tensors); dD sums the slices' partial sums in order (reproducible)."""
@@ -299,8 +290,10 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         dt_out, dA_cumsum, entry, y = _recompute(
             x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
             configs, states_dtype, need_y)
-    dy, dD, dz = gate_and_skip_backward(dout, y, x, D, z, want_dD="D" in wanted, want_dz=need_y,
-                                        want_dy=run_kernels,
+    # With the kernels, dD comes from compute_out's token kernel (it reads dy and x anyway).
+    dy, dD, dz = gate_and_skip_backward(dout, y, x, D, z,
+                                        want_dD="D" in wanted and not run_kernels,
+                                        want_dz=need_y, want_dy=run_kernels,
                                         dz_dtype=out_dtype("z") if need_y else torch.float32)
     del y                                      # read only for dz
     grads = {}
@@ -319,12 +312,15 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     out_inputs = (dy, x_, B_, C_, dt_out, dA_cumsum, entry, seq_idx)
     co_config = configs.get("bwd_compute_out")
+    fused = resolve_config(co_config, compute_out_config(
+        chunk_size=chunk_size, headdim=x.shape[3], dstate=B.shape[3], nheads=x.shape[2],
+        ngroups=B.shape[2], batch=batch, seqlen=seqlen))["FUSE_STATES"]
 
     # compute_out's dentry first, the pass over the states, then compute_out's token kernel:
-    # dentry is freed before the token kernel's float32 dx exists (see "Memory").
+    # dentry is freed before the token kernel's dx exists (see "Memory").
     dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,
                                        launches="entry"))
-    # bf16 inputs: chunk_states rounds dS to bf16 for its products, so dS is stored so.
+    # bf16 inputs: the products round dS to bf16, so it is stored so.
     ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     dS, ddA_last, dinitial = bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx,
                                             poison=poison, config=configs.get("bwd_pass_state"),
@@ -332,32 +328,43 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     del dentry
     if initial_states is None:
         del dinitial                           # no input to give it to
-    dx, dB_parts, dC_parts, ddt, ddA = run(bwd_compute_out_plan(
-        *out_inputs, poison=poison, config=co_config, launches="tokens"))
+    # The token kernel: compute_out's gradients, the skip's (dx += D dy, dD's partials) and,
+    # fused, those through each chunk's own state; then dx is complete, in its final dtype.
+    dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts = run(bwd_compute_out_plan(
+        *out_inputs, poison=poison, config=co_config, launches="tokens",
+        dS=dS if fused else None, D=D, dx_dtype=out_dtype("x") if fused else torch.float32))
     del entry, out_inputs, dy                  # (dy: dout itself without z)
     # the head splits' partials, added in a fixed order (one split: the kernel's own sums)
     dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
     del dB_parts
     dC = dC_parts[0] if dC_parts.shape[0] == 1 else dC_parts.sum(0)
     del dC_parts
-    # chunk_states adds its dx, ddt_out and ddA_cumsum into compute_out's (no second dx)
-    dx, dB_s, ddt, ddA = bwd_chunk_states(dS, x_, B_, dt_out, dA_cumsum, seq_idx, poison=poison,
-                                          config=configs.get("bwd_chunk_states"),
-                                          accumulate=(dx, ddt, ddA))
-    del dS
-    dB += dB_s                                 # chunk_states' dB, summed over the group's heads
-    del dB_s
+    if fused:
+        del dS
+        ddA[..., -1] += ddA_tiles.sum(-1)      # the states' term at each chunk's last token
+        if configs.get("bwd_chunk_states") is not None:
+            # unused, but a typo in it must not pass unnoticed
+            resolve_config(configs["bwd_chunk_states"], chunk_states_config(
+                chunk_size=chunk_size, nheads=x.shape[2], ngroups=B.shape[2], batch=batch,
+                seqlen=seqlen))
+    else:
+        # chunk_states adds its dx, ddt_out and ddA_cumsum into compute_out's (no second dx)
+        dx, dB_s, ddt, ddA = bwd_chunk_states(dS, x_, B_, dt_out, dA_cumsum, seq_idx,
+                                              poison=poison,
+                                              config=configs.get("bwd_chunk_states"),
+                                              accumulate=(dx, ddt, ddA))
+        del dS
+        dB += dB_s                             # chunk_states' dB, summed over the group's heads
+        del dB_s
     ddA[..., -1] += ddA_last                   # the pass' term, at each chunk's last token
     ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt, ddA, dt_, A.contiguous(),
                                          None if dt_bias is None else dt_bias.contiguous(),
                                          dt_softplus, dt_limit, poison=poison,
                                          config=configs.get("bwd_chunk_cumsum"))
     del ddA
-    if D is not None:
-        # the skip's dx, dy D (dy in float32, before its rounding for the kernels), added in place
-        D_full = D.float()[:, None] if D.dim() == 1 else D.float()
-        for sl in token_slices(batch, seqlen, x[0, 0].numel()):
-            dx[sl] += _skip_dy(dout, z, sl) * D_full
+    if D is not None and "D" in wanted:
+        dD = dD_parts.sum((0, 1))              # the token tiles' partials, in a fixed order
+        grads["dD"] = (dD.sum(-1) if D.dim() == 1 else dD).to(out_dtype("D"))
     grads.update(dx=dx.to(out_dtype("x")), ddt=ddt.to(out_dtype("dt")), dA=dA.to(out_dtype("A")),
                  dB=dB.to(out_dtype("B")), dC=dC.to(out_dtype("C")))
     del dx

@@ -39,15 +39,24 @@ Two kernels
         All outputs of a token tile are complete in one block: ddA's row sums, column sums and
         carried term are added in registers, nothing is written twice.
 
+        Given dS (``ops/backward.py`` passes it, after the pass over the states), the same block
+        also adds the gradients through its chunk's own state, ``ops/bwd_chunk_states.py``'s two
+        products per head (WITH_STATES): it holds the tile's x and B already. Given D, it adds
+        the skip's D dy to dx and writes the tile's sum of dy x for dD (WITH_SKIP). dx is then
+        complete and written once, in its final dtype: no float32 dx for a second kernel to
+        add into, and no elementwise passes over x-sized tensors on the host. Measured on an
+        H200 (backward alone, 8 x 2K x 80 heads, bf16, chunk 128 / 256): 2.83 / 3.51 ms fused
+        against 3.76 / 4.59 ms with bwd_chunk_states launched after it (FUSE_STATES=False).
+
     ``bwd_entry_kernel``  one block per (dentry tile (BLOCK_P, BLOCK_N), chunk, head, batch):
         the product (w dy)^T @ C over the chunk's token tiles, accumulated in registers.
 
 dB and dC across the heads of a group (deterministic, no atomics)
     B and C are shared by the heads of a group, so their gradients are sums over those heads. A
     block loops over HEADS_PER_BLOCK heads of one group in order and sums their contributions in
-    registers. By default (``default_heads_per_block``) a block takes all the heads of its group
-    and writes dB and dC (batch, seqlen, ngroups, dstate) directly; only when that leaves too
-    few blocks to fill the GPU (short sequences, few groups) are the heads split into
+    registers. With all the heads of its group (``default_heads_per_block`` for long sequences)
+    a block writes dB and dC (batch, seqlen, ngroups, dstate) directly; when that leaves too
+    few blocks to keep the GPU busy (``BLOCKS_PER_SM``) the heads are split into
     ``heads_per_group / HEADS_PER_BLOCK`` blocks per group, each writing a partial, which the
     host adds in a fixed order (one ``sum`` over a small leading axis). Either way the result is
     bitwise reproducible. (Per-head outputs summed on the host would cost nheads / ngroups times
@@ -82,7 +91,7 @@ import cuda.tile as ct
 from .configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
-                    check_sizes, multiprocessors, new_output, tile_size)
+                    check_sizes, multiprocessors, new_output, tile_size, unread_stand_in)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -153,6 +162,13 @@ def bwd_compute_out_kernel(
     dC: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
     ddt: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32
     ddA: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32, natural units
+    dS: ct.IndexedWithInt64,            # (batch, nchunks, nheads, headdim, dstate) float32 or
+                                        # x's dtype; unread unless WITH_STATES
+    ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T) float32;
+                                        # unwritten unless WITH_STATES
+    D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
+    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials;
+                                        # unwritten unless WITH_SKIP
     heads_per_group: int,
     heads_per_block: int,               # divides heads_per_group; splits = their ratio
     CHUNK: ConstInt,
@@ -161,6 +177,8 @@ def bwd_compute_out_kernel(
     N: ConstInt,
     HAS_SEQ_IDX: ConstBool,
     BF16_OPERANDS: ConstBool,           # 16-bit operands for the computed ones (bf16 inputs)
+    WITH_STATES: ConstBool,             # add the gradients through the chunk's own state (dS)
+    WITH_SKIP: ConstBool,               # add the skip's dx (D dy) and write dD's partials
 ):
     splits = heads_per_group // heads_per_block
     head_blocks = dB.shape[3] * splits
@@ -181,6 +199,10 @@ def bwd_compute_out_kernel(
         for k in range(heads_per_block):
             ct.store(ddt, (b, first_head + k, c, t), zero)
             ct.store(ddA, (b, first_head + k, c, t), zero)
+            if WITH_STATES:
+                ct.store(ddA_tiles, (b, first_head + k, c, t), ct.zeros((), dtype=ct.float32))
+            if WITH_SKIP:
+                ct.store(dD, (b, tile, first_head + k, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
     else:
         pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)    # positions in the chunk
         c_t = token_rows(C, b, tile, g, BLOCK_T, N)
@@ -188,6 +210,14 @@ def bwd_compute_out_kernel(
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
         dB_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
         dC_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        if WITH_STATES:
+            b_t_op = b_t.astype(op)
+            b_t_f32 = b_t.astype(ct.float32)
+            # 1 for the tokens of the sequence the chunk's last token belongs to (they write S[c])
+            keep = ct.full((BLOCK_T,), 1.0, dtype=ct.float32)
+            if HAS_SEQ_IDX:
+                seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
+                keep = ct.where(seq_t == seq_last, 1.0, 0.0)
         for k in range(heads_per_block):                # the group's heads, in order
             h = first_head + k
             dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
@@ -242,7 +272,31 @@ def bwd_compute_out_kernel(
                 grad_dA = grad_dA + ct.sum(dcb * cb, axis=1)             # row sums of dG G
                 dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
 
-            ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)))
+            if WITH_STATES:
+                # Through the chunk's own state S[c] = sum_s v[s] outer(x[s], B[s]), as
+                # ops/bwd_chunk_states.py: v = exp2(dA[last] - dA) dt for the last token's sequence.
+                ds = ct.reshape(ct.load(dS, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
+                                        padding_mode=ZERO), (P, N)).astype(op)
+                dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
+                decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
+                v = decay * dt_t
+                b_ds = ct.mma(b_t_op, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
+                x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+                dx_acc = dx_acc + b_ds * v[:, None]
+                dB_acc = dB_acc + x_ds * v[:, None]
+                dv = ct.sum(x_ds * b_t_f32, axis=1)
+                ddt_acc = ddt_acc + dv * decay
+                dvv = dv * v
+                grad_dA = grad_dA - dvv     # and sum(dv v) at the chunk's last token: ddA_tiles
+                ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
+            if WITH_SKIP:
+                # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
+                dy_f32 = dy_t.astype(ct.float32)
+                d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+                dx_acc = dx_acc + dy_f32 * d_h[None, :]
+                dD_t = ct.sum(dy_f32 * x_t.astype(ct.float32), axis=0)
+                ct.store(dD, (b, tile, h, 0), ct.reshape(dD_t, (1, 1, 1, P)))
+            ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
             ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
             ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
         ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
@@ -307,12 +361,20 @@ def default_block_t(chunk_size, headdim, dstate):
     return min(32 if big else 64, chunk_size)
 
 
+# Blocks wanted per multiprocessor. One block is resident per multiprocessor (384 threads x 168
+# registers, ~217 KB of shared memory), and a block walks its heads one after the other, so more,
+# shorter blocks finish the last wave sooner. Measured on an H200 (backward alone, 2.7B training
+# shape 8 x 2K x 80 heads, bf16, chunk 128 / 256): all 80 heads per block (256 blocks) 2.83 / 3.51
+# ms, 40 2.74 / 3.42, 20 (1024 blocks) 2.71 / 3.33, 10 2.73 / 3.31. Each split adds a (b, L, g, n)
+# float32 partial of dB and of dC, so the target stops at ~6 blocks per multiprocessor.
+BLOCKS_PER_SM = 6
+
+
 def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None):
-    """All the heads of a group (dB and dC written directly) if that gives at least one block
-    per multiprocessor (one block is resident per multiprocessor at the default's 384 threads x
-    168 registers, and blocks are balanced, so a wave is full); else the largest divisor of the
-    group's heads that does (partials summed on the host), or one head per block."""
-    wanted = multiprocessors(device)
+    """The largest divisor of a group's heads that gives ``BLOCKS_PER_SM`` blocks per
+    multiprocessor (all the heads of a group, dB and dC written directly, for long sequences;
+    else partials summed on the host), or one head per block."""
+    wanted = BLOCKS_PER_SM * multiprocessors(device)
     per_group = nheads // ngroups
     for hb in sorted(group_divisors(nheads, ngroups), reverse=True):
         if blocks_per_head_block * ngroups * (per_group // hb) >= wanted:
@@ -324,7 +386,9 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                    **_):
     """``default_block_t``'s tiles, ``default_heads_per_block`` (seqlen None: a long sequence,
     all heads of a group per block), the dentry kernel's tiles of the whole (padded) headdim and
-    up to 128 dstate columns, and eight worker warps for the token kernel (``WORKER_WARPS``)."""
+    up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
+    FUSE_STATES: ``ops/backward.py`` lets the token kernel do ``bwd_chunk_states``' work too
+    (False: it launches that kernel after this one)."""
     bt = default_block_t(chunk_size, headdim, dstate)
     if seqlen is None:
         hb = nheads // ngroups
@@ -334,14 +398,15 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                                      blocks_per_head_block=batch * tiles)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
-                num_worker_warps=WORKER_WARPS)
+                num_worker_warps=WORKER_WARPS, FUSE_STATES=True)
 
 
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
-    """Variants worth timing (the default first, at most 8): the other token tile (32 or 64),
+    """Variants worth timing (the default first, at most 9): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
-    multiprocessor), and smaller dentry tiles."""
+    multiprocessor), smaller dentry tiles, and the chunk states' gradients in a kernel of their
+    own."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]
@@ -355,6 +420,7 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
                 {**base, "num_worker_warps": None, "occupancy": 2}]
     configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
                     "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
+    configs.append({**base, "FUSE_STATES": False})
     return unique(configs)
 
 
@@ -414,19 +480,32 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
 
 
 def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
-                         poison=False, config=None, launches="both"):
+                         poison=False, config=None, launches="both", dS=None, D=None,
+                         dx_dtype=torch.float32):
     """The launch (an ``ops.launch.Plan``): its ``before`` is the dentry kernel's launch; its
-    outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum
-    and dentry. ``config``: a dict from ``search_space`` (or part of one; missing keys take
-    ``default_config``'s values for this shape).
+    outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum,
+    ddA_tiles, dD's partials and dentry. ``config``: a dict from ``search_space`` (or part of
+    one; missing keys take ``default_config``'s values for this shape).
 
     ``launches="entry"`` gives the dentry kernel's plan alone (outputs (dentry,)), ``"tokens"``
     the token kernel's alone (outputs all but dentry, none allocated for it): ``ops/backward.py``
     runs the pass over the states between the two, so that dentry is freed before the token
-    kernel's float32 dx is allocated."""
+    kernel's dx is allocated.
+
+    The token kernel's optional terms (``ops/backward.py`` passes them):
+        dS (b, c, h, p, n), float32 or x's dtype: the chunk states' gradients. The token kernel
+            then adds the gradients through each chunk's own state (``ops/bwd_chunk_states.py``'s
+            work): dx, dB, ddt_out and ddA_cumsum complete but for ddA_cumsum at each chunk's
+            last token, whose term sum(dv v) per token tile is ddA_tiles (b, h, c, CHUNK /
+            BLOCK_T). Without dS, ddA_tiles is None.
+        D (h,) or (h, p): the skip out = y + D x. dx then includes D dy, and dD's partials are
+            (b, token tiles, h, p) float32, each tile's sum of dy x (sum them over the first two
+            axes, and over p for a 1-D D). Without D, None.
+        dx_dtype: dx's dtype (x's for the operator: complete dx rounded once from float32)."""
     if launches not in ("both", "entry", "tokens"):
         raise ValueError(f"launches must be 'both', 'entry' or 'tokens', got {launches!r}")
     _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx)
+    _check_optional(x, B, dt_out, dS, D, dx_dtype)
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
@@ -453,19 +532,49 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                           entry_args, (dentry,))
         if launches == "entry":
             return entry_plan
-    dx = new_output(x.shape, torch.float32, device, poison)
+    dx = new_output(x.shape, dx_dtype, device, poison)
     dB_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
     dC_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
     ddt = new_output(dt_out.shape, torch.float32, device, poison)
     ddA = new_output(dt_out.shape, torch.float32, device, poison)
+    tiles = nchunks * (chunk_size // bt)
+    ddA_tiles = dD_parts = None
+    if dS is not None:
+        ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt), torch.float32, device,
+                               poison)
+    if D is not None:
+        dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
+        D = (D[:, None].expand(nheads, headdim) if D.dim() == 1 else D).float().contiguous()
+    stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
     args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
-            ddA, nheads // ngroups, hb, chunk_size, bt, tile_size(headdim), tile_size(dstate),
-            seq_idx is not None, bf16)
+            ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2), stand_in(dD_parts, 4),
+            nheads // ngroups, hb, chunk_size, bt, tile_size(headdim), tile_size(dstate),
+            seq_idx is not None, bf16, dS is not None, D is not None)
     kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
-    grid = (nchunks * (chunk_size // bt) * ngroups * splits, batch)
+    grid = (tiles * ngroups * splits, batch)
+    outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
     if launches == "tokens":
-        return Plan(grid, kernel, args, (dx, dB_parts, dC_parts, ddt, ddA))
-    return Plan(grid, kernel, args, (dx, dB_parts, dC_parts, ddt, ddA, dentry), (entry_plan,))
+        return Plan(grid, kernel, args, outputs)
+    return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,))
+
+
+def _check_optional(x, B, dt_out, dS, D, dx_dtype):
+    batch, _, nheads, headdim = x.shape
+    if dS is not None:
+        want = (batch, dt_out.shape[2], nheads, headdim, B.shape[3])
+        if not isinstance(dS, torch.Tensor) or tuple(dS.shape) != want:
+            raise ValueError(f"dS must be a (batch, nchunks, nheads, headdim, dstate) = {want} "
+                             f"tensor, got {getattr(dS, 'shape', type(dS).__name__)}")
+        ok = (torch.float32, x.dtype) if x.dtype == torch.bfloat16 else (torch.float32,)
+        if dS.dtype not in ok or not dS.is_contiguous():
+            raise TypeError(f"dS must be contiguous, one of {ok} for {x.dtype} inputs, got "
+                            f"{dS.dtype}")
+    if D is not None and (not isinstance(D, torch.Tensor)
+                          or tuple(D.shape) not in ((nheads,), (nheads, headdim))):
+        raise ValueError(f"D must be a ({nheads},) or ({nheads}, {headdim}) tensor, got "
+                         f"{getattr(D, 'shape', type(D).__name__)}")
+    if dx_dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"dx_dtype must be float32 or x's dtype {x.dtype}, got {dx_dtype}")
 
 
 def bwd_compute_out(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None, poison=False,
@@ -475,7 +584,7 @@ def bwd_compute_out(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None, 
     float32, like ``reference.backward.compute_out_backward`` (whose dB and dC are per head: sum
     them with ``reference.backward._sum_groups``). ``dA_cumsum`` in the kernels' log2 units;
     ``poison=True`` NaN-fills the outputs first (for tests)."""
-    dx, dB_parts, dC_parts, ddt, ddA, dentry = run(bwd_compute_out_plan(
+    dx, dB_parts, dC_parts, ddt, ddA, _, _, dentry = run(bwd_compute_out_plan(
         dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx, poison, config))
     # The head splits' partials, added in a fixed order (one split: the kernel's own sums).
     dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)

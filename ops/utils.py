@@ -63,12 +63,13 @@ def new_output(shape, dtype, device, poison=False):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def unread_stand_in(device):
-    """A one-element tensor passed for an absent optional tensor argument whose kernel flag is
-    off (the kernel never reads it). Marked as such, so that re-used plans and replays
+def unread_stand_in(device, ndim=1):
+    """A one-element tensor (of ``ndim`` dimensions, the rank the kernel declares for the
+    argument) passed for an absent optional tensor argument whose kernel flag is off (the
+    kernel never reads it). Marked as such, so that re-used plans and replays
     (``ops.launch.PlanTemplate``, ``ops.replay``) keep it as it is; any other tensor they do not
     know must be computed afresh for each call."""
-    t = torch.zeros(1, dtype=torch.float32, device=device)
+    t = torch.zeros((1,) * ndim, dtype=torch.float32, device=device)
     t.unread_stand_in = True
     return t
 

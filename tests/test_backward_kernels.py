@@ -23,6 +23,7 @@ Tolerances, relative in norm:
   bf16 states      float32 inputs, entry states stored in bf16 (state_dtype): the forward's own
                    rounding of the states, seen by dC and dz: observed 3e-4; bound 1e-3.
 """
+import gc
 import weakref
 
 import pytest
@@ -44,8 +45,9 @@ LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 # dt_limit clamps ~10% of the processed steps from below and ~9% from above at these inputs.
 OPTIONS = dict(dt_softplus=True, dt_limit=(0.2, 0.9))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+# bwd_chunk_states' work is fused into bwd_compute_out's token kernel by default (FUSE_STATES)
 BACKWARD_KERNELS = {"bwd_compute_out_kernel", "bwd_entry_kernel", "bwd_pass_state_kernel",
-                    "bwd_chunk_states_kernel", "bwd_chunk_cumsum_kernel"}
+                    "bwd_chunk_cumsum_kernel"}
 FORWARD_KERNELS = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"}
 
 
@@ -230,9 +232,10 @@ def test_on_gpu(launched, dtype):
 
 def test_backward_kernels_take_configs_by_name(launched):
     """``kernel_backward``'s configs reach each backward kernel: other tiles, head splits and
-    hints than the defaults give the default's gradients (float32: other tile and head splits
-    sum dB, d dA[last], dA and ddt_bias in another order, a few ulps: 1e-5). An unknown kernel's
-    name is refused."""
+    hints than the defaults, and the chunk states' gradients in their own kernel
+    (``FUSE_STATES=False``: bwd_chunk_states then runs), give the default's gradients (float32:
+    other tile and head splits sum dB, d dA[last], dA and ddt_bias in another order, a few ulps:
+    1e-5). An unknown kernel's name is refused."""
     from ops.backward import kernel_backward
     kw = problem(seq=[20, 64])
     dout = weights(kw).float()
@@ -240,11 +243,13 @@ def test_backward_kernels_take_configs_by_name(launched):
     opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
                 seq_idx=kw["seq_idx"], **OPTIONS)
     want = kernel_backward(*args, **opts)
-    configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1),
+    assert "bwd_chunk_states_kernel" not in launched
+    configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, FUSE_STATES=False),
                "bwd_pass_state": dict(BLOCK_P=16, BLOCK_N=16, LOAD_LAT=8),
                "bwd_chunk_states": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, LOAD_LAT=8),
                "bwd_chunk_cumsum": dict(BLOCK_H=2, STORE_LAT=8)}
     got = kernel_backward(*args, **opts, configs=configs)
+    assert "bwd_chunk_states_kernel" in launched
     assert set(got) == set(want)
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name
@@ -325,6 +330,7 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states):
             tracker.paused = False
 
     monkeypatch.setattr(ops.launch, "launch", paused)
+    gc.collect()       # earlier tests' garbage, collected mid-count, would free reused addresses
     with tracker:
         grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64,
                                     D=kw["D"], z=kw.get("z"), dt_bias=kw["dt_bias"],

@@ -86,10 +86,13 @@ def test_accumulates_into_given_buffers(device, dtype):
     for buf, out in zip(buffers, (got[0], got[2], got[3]), strict=True):
         assert out.data_ptr() == buf.data_ptr()
     # ddA's last-token term (the token tiles' sums) is added by the wrapper after the kernel's
-    # own accumulation: one more float32 rounding there, the other tokens bit for bit
-    assert torch.equal(got[0], alone[0] + base[0]) and torch.equal(got[2], alone[2] + base[1])
+    # own accumulation: one more float32 rounding there, the other tokens bit for bit on the
+    # interpreter. On a GPU the compiler fuses the last product and the add into one FMA (one
+    # rounding fewer than product-then-sum): a few float32 ulps, 1e-6.
+    same = torch.equal if device == "cpu" else (lambda a, b: rel_err(a, b) < 1e-6)
+    assert same(got[0], alone[0] + base[0]) and same(got[2], alone[2] + base[1])
     assert torch.equal(got[1], alone[1])
-    assert torch.equal(got[3][..., :-1], alone[3][..., :-1] + base[2][..., :-1])
+    assert same(got[3][..., :-1], alone[3][..., :-1] + base[2][..., :-1])
     assert rel_err(got[3][..., -1], alone[3][..., -1] + base[2][..., -1]) < 1e-6
 
 

@@ -105,6 +105,73 @@ def test_matches_the_reference(device, dtype, case, config):
         assert rel_err(g, w) < tolerance(dtype, name, dtype), name
 
 
+# The token kernel's optional terms: the chunk states' gradients (dS) and the skip (D) ------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("D_dims", [1, 2], ids=["D-1d", "D-2d"])
+@pytest.mark.parametrize("case, config", [CASES[0], CASES[3]])
+def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
+    """With dS and D the token kernel's outputs are compute_out's gradients plus
+    ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
+    with its tile sums ddA_tiles added) plus the skip's (dx += D dy; dD = sum dy x), all in
+    float64; dx comes in x's dtype (float32 for float16, whose dy is loss-scaled). dS is given as ``ops/backward.py`` stores it (bf16 for bf16
+    inputs) and the reference takes those values. Tolerances: float32 and float16 1e-5 (float32
+    products), bf16 1e-2 for every output (dS, x
+    and B enter the states' products in bf16, and dx is rounded to bf16)."""
+    from ops.launch import run
+    from reference.backward import chunk_states_backward
+    dy_scale = 1e3 if dtype == torch.float16 else 1.0
+    # float16 under loss scaling: dx would overflow float16, so it comes in float32 there
+    dx_dtype = torch.float32 if dtype == torch.float16 else dtype
+    inputs, want = problem(dtype, dy_scale=dy_scale, **case)
+    x, dy = inputs["x"], inputs["dy"]
+    b, L, h, p = x.shape
+    nchunks = inputs["dt_out"].shape[2]
+    g = torch.Generator().manual_seed(11)
+    dS = torch.randn(b, nchunks, h, p, inputs["B"].shape[3], generator=g)
+    dS = dS.to(torch.bfloat16) if dtype == torch.bfloat16 else dS
+    D = torch.randn((h,) if D_dims == 1 else (h, p), generator=g)
+    f64 = lambda t: t.double()
+    states = chunk_states_backward(f64(dS), f64(x), f64(inputs["B"]), f64(inputs["dt_out"]),
+                                   f64(inputs["dA_cumsum"]) / LOG2E, inputs["seq_idx"])
+    D_full = f64(D)[:, None] if D_dims == 1 else f64(D)
+    ngroups = inputs["B"].shape[2]
+    expected = dict(dx=want[0] + states[0] + f64(dy) * D_full,
+                    dB=want[1] + _sum_groups(states[1], ngroups), dC=want[2],
+                    ddt_out=want[3] + states[2], ddA_cumsum=want[4] + states[3],
+                    dD=(f64(dy) * f64(x)).sum((0, 1, 3) if D_dims == 1 else (0, 1)))
+    dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts, _ = run(bwd_compute_out_plan(
+        **on(inputs, device), poison=True, config=config, dS=dS.to(device), D=D.to(device),
+        dx_dtype=dx_dtype))
+    assert dx.dtype == dx_dtype
+    ddA = ddA.clone()
+    ddA[..., -1] += ddA_tiles.sum(-1)
+    dD = dD_parts.sum((0, 1))
+    got = dict(dx=dx, dB=dB_parts.sum(0), dC=dC_parts.sum(0), ddt_out=ddt, ddA_cumsum=ddA,
+               dD=dD.sum(-1) if D_dims == 1 else dD)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for name, w in expected.items():
+        assert got[name].shape == w.shape, name
+        err = rel_err(got[name].cpu().double(), w)
+        assert err < tol, (name, err)
+
+
+def test_optional_terms_are_checked():
+    inputs, _ = problem(torch.bfloat16)
+    b, L, h, p = inputs["x"].shape
+    nchunks, n = inputs["dt_out"].shape[2], inputs["B"].shape[3]
+    with pytest.raises(ValueError, match="dS must be"):
+        bwd_compute_out_plan(**inputs, dS=torch.zeros(b, nchunks, h, p, n + 1))
+    with pytest.raises(TypeError, match="dS must be contiguous"):
+        bwd_compute_out_plan(**inputs, dS=torch.zeros(b, nchunks, h, p, n, dtype=torch.float16))
+    with pytest.raises(ValueError, match="D must be"):
+        bwd_compute_out_plan(**inputs, D=torch.zeros(h + 1))
+    with pytest.raises(TypeError, match="dx_dtype"):
+        bwd_compute_out_plan(**inputs, dx_dtype=torch.float16)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_float32_entry_states(device, dtype):
@@ -189,21 +256,27 @@ def meta(*shape, dt=torch.float32):
 
 
 def meta_plan(headdim=64, dstate=128, dtype=torch.bfloat16, seqlen=16384, nheads=80, ngroups=1,
-              chunk=256, seq=True, config=None):
-    """The launch at a Mamba-2 layer of a ~2.7B model (by default), on meta tensors."""
+              chunk=256, seq=True, config=None, fused=True):
+    """The launch at a Mamba-2 layer of a ~2.7B model (by default), on meta tensors; ``fused``:
+    with dS and D, as ``ops/backward.py`` launches it (dx in x's dtype)."""
     nchunks = -(-seqlen // chunk)
     x = meta(1, seqlen, nheads, headdim, dt=dtype)
     B = meta(1, seqlen, ngroups, dstate, dt=dtype)
+    states = meta(1, nchunks, nheads, headdim, dstate, dt=dtype)
+    dS = meta(1, nchunks, nheads, headdim, dstate,            # as ops/backward.py stores it
+              dt=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    extra = dict(dS=dS, D=meta(nheads), dx_dtype=dtype) if fused else {}
     return bwd_compute_out_plan(x, x, B, B, meta(1, nheads, nchunks, chunk),
-                                meta(1, nheads, nchunks, chunk),
-                                meta(1, nchunks, nheads, headdim, dstate, dt=dtype),
-                                meta(1, seqlen, dt=torch.int32) if seq else None, config=config)
+                                meta(1, nheads, nchunks, chunk), states,
+                                meta(1, seqlen, dt=torch.int32) if seq else None, config=config,
+                                **extra)
 
 
 COMPILE = [pytest.param(dict(), arch, id=f"layer-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
 COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=False, ngroups=2,
                               config=dict(HEADS_PER_BLOCK=1)), "sm_90", id="odd-fp16-heads1-sm_90"),
-            pytest.param(dict(config=dict(INDEX64=True)), "sm_90", id="layer-int64-sm_90")]
+            pytest.param(dict(config=dict(INDEX64=True)), "sm_90", id="layer-int64-sm_90"),
+            pytest.param(dict(fused=False), "sm_90", id="layer-unfused-sm_90")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)

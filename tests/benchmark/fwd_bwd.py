@@ -1,24 +1,42 @@
-"""A training step's scan: forward + backward against mamba_ssm's Triton kernels, side by side.
+"""A training step's scan: forward + backward against mamba_ssm's Triton kernels and TileGym's,
+side by side.
 
-    python -m tests.benchmark.fwd_bwd [--models mamba2-2.7b-train ...] [--chunks 256,128] [--out F.csv]
+    python -m tests.benchmark.fwd_bwd [--models mamba2-2.7b-train ...] [--grid] [--chunks 256,128]
+        [--impls triton,cutile,tilegym] [--warm-procs 16] [--out F.csv] [--plot F.png]
 
-At each model shape of ``tests/benchmark/models.py`` (bf16, D, dt_bias, softplus), on the same
-seeded inputs (``bench_forward.make_inputs``) for both, and with the same output gradient:
+Shapes: the model shapes of ``tests/benchmark/models.py`` (``--models``; all by default) and, with
+``--grid``, batch 1 x L in {4K, 16K, 64K} x dstate in {64, 128, 256}, 80 heads of headdim 64,
+1 group. bf16, D, dt_bias, softplus; the same seeded inputs (``bench_forward.make_inputs``) and
+the same output gradient for every implementation:
+
+    triton    mamba_ssm's ``mamba_chunk_scan_combined`` (autograd), chunk 256
+    cutile    this project's (autograd through ``ops/backward.py``), at each of ``--chunks``
+    tilegym   TileGym's ``mamba2_chunk_forward`` then ``mamba2_chunk_backward`` (functional; it
+              has no dt_bias or softplus, so it is given the processed dt, and its step leaves
+              out that elementwise part), at ``--tilegym-chunk``; only where the sequence length
+              is a multiple of its chunk
+
+Per implementation and chunk:
     fwd_bwd_ms   median of ``triton.testing.do_bench`` of one step: the forward with x, dt, A, B,
                  C, D and dt_bias requiring gradients, then ``out.backward(dout)``
     fwd_ms       the forward alone, without gradients
-    first_s      the first step (compilation and autotuning included)
+    first_s      the first step (compilation and autotuning included; after ``--warm-procs``
+                 processes compiled it, so mostly the disk cache's load)
     peak_mib     memory allocated during one step beyond what was allocated before it
-    grad_diff    each gradient's relative difference (in norm) from Triton's at chunk 256
-Triton runs at chunk 256, this project at each of ``--chunks``.
+    speedup      Triton's fwd_bwd_ms / this one's
+    grad_diff_*  each gradient's relative difference (in norm) from Triton's (TileGym's dt and
+                 dt_bias gradients are of another quantity, the processed dt: not compared)
 """
 import argparse
+import multiprocessing as mp
 import time
 
 import torch
 
-IMPLS = ("triton", "cutile")
+IMPLS = ("triton", "cutile", "tilegym")
 LEAVES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+GRID = [dict(batch=1, seqlen=L, nheads=80, headdim=64, ngroups=1, dstate=n)
+        for L in (4096, 16384, 65536) for n in (64, 128, 256)]
 
 
 def _scan(impl):
@@ -29,11 +47,8 @@ def _scan(impl):
     return lambda *a, **k: mamba_chunk_scan_combined(*a, **k, backend="cutile")
 
 
-def measure(impl, chunk, inputs, dout):
-    """-> (row of timings, the gradients of one step)."""
-    from triton.testing import do_bench
+def _autograd_step(impl, chunk, leaves, dout):
     scan = _scan(impl)
-    leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
 
     def step():
         for t in leaves.values():
@@ -42,11 +57,66 @@ def measure(impl, chunk, inputs, dout):
                    D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True)
         out.backward(dout)
 
+    def forward():
+        with torch.no_grad():
+            return scan(*(leaves[k].detach() for k in ("x", "dt", "A", "B", "C")), chunk,
+                        D=leaves["D"].detach(), dt_bias=leaves["dt_bias"].detach(),
+                        dt_softplus=True)
+
+    def grads():
+        return {k: leaves[k].grad.float().clone() for k in LEAVES}
+    return step, forward, grads
+
+
+def _tilegym_step(chunk, leaves, dout):
+    from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward, mamba2_chunk_forward
+
+    from reference.common import process_dt
+    x, A, B, C, D = (leaves[k].detach() for k in ("x", "A", "B", "C", "D"))
+    dt = process_dt(leaves["dt"].detach(), leaves["dt_bias"].detach(),
+                    dt_softplus=True).float().contiguous()
+    b, _, h, p = x.shape
+    h0 = torch.zeros(b, h, p, B.shape[-1], device=x.device, dtype=torch.float32)
+    dfinal = torch.zeros_like(h0)
+    result = {}
+
+    def step():
+        mamba2_chunk_forward(x, A, B, C, D, dt, h0, chunk_size=chunk)
+        result["g"] = mamba2_chunk_backward(x, A, B, C, D, dt, h0, dout, dfinal, chunk_size=chunk)
+
+    def forward():
+        return mamba2_chunk_forward(x, A, B, C, D, dt, h0, chunk_size=chunk)[0]
+
+    def grads():
+        dx, dA, dB, dC, dD = result["g"][:5]
+        return dict(x=dx.float(), A=dA.float(), B=dB.float(), C=dC.float(), D=dD.float())
+    return step, forward, grads
+
+
+def _setup(shape):
+    from tests.benchmark.bench_forward import make_inputs
+    inputs = make_inputs(torch, "cuda", shape["batch"], shape["seqlen"], shape["nheads"],
+                         shape["headdim"], shape["ngroups"], shape["dstate"], "bfloat16")
+    dout = torch.randn(inputs["x"].shape, device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(1)).to(inputs["x"].dtype)
+    return inputs, dout
+
+
+def measure(impl, chunk, inputs, dout, timed=True):
+    """-> (row of timings, the gradients of one step)."""
+    from triton.testing import do_bench
+    leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
+    if impl == "tilegym":
+        step, forward, grads = _tilegym_step(chunk, leaves, dout)
+    else:
+        step, forward, grads = _autograd_step(impl, chunk, leaves, dout)
     start = time.perf_counter()
     step()
     torch.cuda.synchronize()
     first = time.perf_counter() - start
-    grads = {k: leaves[k].grad.float().clone() for k in LEAVES}
+    if not timed:
+        return dict(impl=impl, chunk=chunk, first_s=first), None
+    g = grads()
     for t in leaves.values():
         t.grad = None                   # the step's gradients count in its peak
     torch.cuda.reset_peak_memory_stats()
@@ -55,49 +125,126 @@ def measure(impl, chunk, inputs, dout):
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     fwd_bwd = do_bench(step, warmup=50, rep=300)
-    with torch.no_grad():
-        fwd = do_bench(lambda: scan(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
-                                    chunk, D=inputs["D"], dt_bias=inputs["dt_bias"],
-                                    dt_softplus=True), warmup=50, rep=200)
+    fwd = do_bench(forward, warmup=50, rep=200)
     return dict(impl=impl, chunk=chunk, fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first,
-                peak_mib=peak), grads
+                peak_mib=peak), g
+
+
+def _runs(shape, impls, chunks, tilegym_chunk):
+    """(impl, chunk) pairs to run at ``shape``, Triton first (the baseline)."""
+    runs = [("triton", 256)] + [("cutile", c) for c in chunks if "cutile" in impls]
+    if "tilegym" in impls and shape["seqlen"] % tilegym_chunk == 0:
+        runs.append(("tilegym", tilegym_chunk))
+    return runs
+
+
+def _warm(job):
+    """One first step in a fresh process: its compiled kernels land in the disk caches."""
+    shape, impl, chunk = job
+    inputs, dout = _setup(shape)
+    try:
+        row, _ = measure(impl, chunk, inputs, dout, timed=False)
+        return f"warm {shape_text(shape)} {impl} {chunk}: {row['first_s']:.0f} s"
+    except Exception as e:               # reported; the timed run shows it again
+        return f"warm {shape_text(shape)} {impl} {chunk}: {type(e).__name__}: {str(e)[:200]}"
+
+
+def grad_diff(grad, ref):
+    """Relative difference in norm; NaN for a gradient not given or of another shape."""
+    if grad is None or grad.shape != ref.shape:
+        return float("nan")
+    return ((grad - ref).norm() / ref.norm()).item()
+
+
+def shape_text(s):
+    return f"{s['batch']}x{s['seqlen']}x{s['nheads']}h n{s['dstate']} g{s['ngroups']}"
+
+
+def plot(rows, path, device):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = list(dict.fromkeys(r["shape"] for r in rows))
+    series = sorted({(r["impl"], r["chunk"]) for r in rows if r["impl"] != "triton"})
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(labels)), 4.5))
+    width = 0.8 / max(len(series), 1)
+    for k, (impl, chunk) in enumerate(series):
+        vals = [next((r["speedup"] for r in rows if r["shape"] == s and r["impl"] == impl
+                      and r["chunk"] == chunk), float("nan")) for s in labels]
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))], vals,
+               width, label=f"{impl}, chunk {chunk}")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.5, color="gray", lw=0.8, ls="--", label="target 1.5x")
+    ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("forward + backward speedup over Triton (chunk 256)")
+    ax.set_title(f"Training step's scan (forward + backward), bf16, {device}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None):
-    from tests.benchmark.bench_forward import make_inputs
     from tests.benchmark.models import MODELS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mamba2-2.7b-train", "mamba2-130m-train"],
-                        choices=sorted(MODELS))
+    parser.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS),
+                        help="model shapes (default: all; none with --grid alone)")
+    parser.add_argument("--grid", action="store_true", help="also the L x dstate grid")
     parser.add_argument("--chunks", default="256,128", help="this project's chunks, e.g. 256,128")
+    parser.add_argument("--impls", default="triton,cutile,tilegym")
+    parser.add_argument("--tilegym-chunk", type=int, default=64)
+    parser.add_argument("--warm-procs", type=int, default=0,
+                        help="compile every first step in this many processes first")
     parser.add_argument("--out", help="CSV file to write")
+    parser.add_argument("--plot", help="figure (PNG) to write")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fwd_bwd needs a CUDA GPU")
+    impls = args.impls.split(",")
+    unknown = set(impls) - set(IMPLS)
+    if unknown:
+        parser.error(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS)}")
     chunks = [int(c) for c in args.chunks.split(",")]
+    names = args.models if args.models is not None else ([] if args.grid else sorted(MODELS))
+    shapes = [(n, {k: MODELS[n][k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups",
+                                             "dstate")}) for n in names]
+    if args.grid:
+        shapes += [(shape_text(s), s) for s in GRID]
+    if args.warm_procs:
+        jobs = [(s, impl, c) for _, s in shapes for impl, c in
+                _runs(s, impls, chunks, args.tilegym_chunk)]
+        start = time.perf_counter()
+        with mp.get_context("spawn").Pool(args.warm_procs) as pool:
+            for line in pool.imap_unordered(_warm, jobs):
+                print(line, flush=True)
+        print(f"warmed {len(jobs)} first steps in {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
-    for name in args.models:
-        m = MODELS[name]
-        inputs = make_inputs(torch, "cuda", m["batch"], m["seqlen"], m["nheads"], m["headdim"],
-                             m["ngroups"], m["dstate"], "bfloat16")
-        dout = torch.randn(inputs["x"].shape, device="cuda", generator=torch.Generator(
-            device="cuda").manual_seed(1)).to(inputs["x"].dtype)
-        base, ref = measure("triton", 256, inputs, dout)
-        results = [(base, ref)] + [measure("cutile", c, inputs, dout) for c in chunks]
-        for row, grads in results:
-            row.update(model=name, speedup=base["fwd_bwd_ms"] / row["fwd_bwd_ms"],
-                       **{f"grad_diff_{k}": ((grads[k] - ref[k]).norm() / ref[k].norm()).item()
-                          for k in LEAVES})
+    for name, shape in shapes:
+        inputs, dout = _setup(shape)
+        base = ref = None
+        for impl, chunk in _runs(shape, impls, chunks, args.tilegym_chunk):
+            try:
+                row, grads = measure(impl, chunk, inputs, dout)
+            except Exception as e:
+                print(f"{name:24s} {impl:7s} chunk {chunk:3d}: FAILED {type(e).__name__}: "
+                      f"{str(e)[:200]}", flush=True)
+                continue
+            if base is None:
+                base, ref = row, grads
+            row.update(shape=name, **shape, speedup=base["fwd_bwd_ms"] / row["fwd_bwd_ms"],
+                       **{f"grad_diff_{k}": grad_diff(grads.get(k), ref[k]) for k in LEAVES})
             rows.append(row)
-            print(f"{name:20s} {row['impl']:7s} chunk {row['chunk']:3d}: fwd+bwd "
-                  f"{row['fwd_bwd_ms']:7.3f} ms ({row['speedup']:.2f}x Triton's), fwd "
-                  f"{row['fwd_ms']:.3f} ms, first step {row['first_s']:.1f} s, peak "
-                  f"+{row['peak_mib']:.0f} MiB, grad diff <= "
-                  f"{max(row[f'grad_diff_{k}'] for k in LEAVES):.1e}", flush=True)
-    if args.out:
-        from tests.benchmark.report import write_csv
-        device = torch.cuda.get_device_name()
-        write_csv(args.out, [dict(r, device=device, torch=torch.__version__) for r in rows])
+            worst = max(v for k in LEAVES if (v := row[f"grad_diff_{k}"]) == v)    # not NaN
+            print(f"{name:24s} {impl:7s} chunk {chunk:3d}: fwd+bwd {row['fwd_bwd_ms']:7.3f} ms "
+                  f"({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
+                  f"{row['first_s']:.1f} s, peak +{row['peak_mib']:.0f} MiB, grad diff <= "
+                  f"{worst:.1e}", flush=True)
+        del inputs, dout
+        if args.out:                    # after every shape: a run cut short keeps what it has
+            from tests.benchmark.report import write_csv
+            device = torch.cuda.get_device_name()
+            write_csv(args.out, [dict(r, device=device, torch=torch.__version__) for r in rows])
+    if args.plot and rows:
+        plot(rows, args.plot, torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""Where a training step's scan spends its GPU time: every kernel's time per step, by name.
+
+    python -m tests.benchmark.profile_fwd_bwd --shape 8x2048x80x1 --chunks 128,256 [--steps 10]
+
+At batch x seqlen x nheads x ngroups (headdim 64, dstate ``--dstate``, bf16, D, dt_bias,
+softplus; ``fwd_bwd.py``'s inputs), mamba_ssm's Triton scan at chunk 256 and this project's at each
+of ``--chunks`` run three warm-up steps (forward with gradients, then ``out.backward(dout)``), then
+``--steps`` steps under ``torch.profiler``; each kernel's summed device time is divided by the
+steps. The total is the GPU's busy time per step; a step's wall time (``fwd_bwd.py``) also holds
+the host's work between launches, and the gap between the two is how host-bound the step is.
+"""
+import argparse
+
+import torch
+
+
+def kernel_times(impl, chunk, shape, steps):
+    """-> {kernel name: ms per step} for one implementation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup
+    inputs, dout = _setup(shape)
+    leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
+    step, _, _ = _autograd_step(impl, chunk, leaves, dout)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time / steps / 1e3
+    return totals
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="8x2048x80x1", help="batch x seqlen x nheads x ngroups")
+    parser.add_argument("--dstate", type=int, default=128)
+    parser.add_argument("--chunks", default="128,256", help="this project's chunks")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=20, help="kernels listed per implementation")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_fwd_bwd needs a CUDA GPU")
+    batch, seqlen, nheads, ngroups = (int(v) for v in args.shape.split("x"))
+    shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, ngroups=ngroups,
+                 dstate=args.dstate)
+    runs = [("triton", 256)] + [("cutile", int(c)) for c in args.chunks.split(",")]
+    for impl, chunk in runs:
+        totals = kernel_times(impl, chunk, shape, args.steps)
+        print(f"== {impl} chunk {chunk} at {args.shape} dstate {args.dstate}: GPU busy "
+              f"{sum(totals.values()):.3f} ms per step", flush=True)
+        for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {ms:7.3f} ms  {name[:100]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
