@@ -102,7 +102,20 @@ Memory
 ``ct.load`` copies the tile; elements outside the array are padded per
 ``padding_mode``.  ``PaddingMode.UNDETERMINED`` (the default) pads floats
 with NaN and integers with their most negative value (booleans with True),
-so a kernel that lets undetermined padding reach a result is caught.
+so a kernel that lets undetermined padding reach a result is caught.  A
+kernel that relies on it anyway (an attention kernel whose partial key tile
+is masked only after a product) runs with ``launch(...,
+undetermined_padding="gpu")`` or ``MAMBA2_CUTILE_UNDETERMINED_PADDING=gpu``:
+padded elements then read as the bit pattern of the integer 1 (float32
+1.4e-45, bf16 9.2e-41, fp16 6.0e-8: the smallest positive subnormals; 1 for
+integers), what an H200 returned for 1-D partial tiles loaded by ``ct.load``
+(through TMA or not) and ``TiledView.load`` whatever lay past the array
+(``tests/interpreter/test_padding.py``), and each kernel line that reads
+them warns once (``UndeterminedPaddingWarning``).  2-D partial tiles read
+other small bit patterns on the H200 (integers up to a few hundred, varying
+with the element), which no value reproduces: the results then agree with the
+GPU's only where the padded elements do not matter beyond their being finite
+and tiny.
 ``ct.store`` drops out-of-bounds elements.  A tile lying entirely outside
 the array, or a partial tile with ``check_bounds=False``, is undefined
 behaviour on the GPU and an error here.  Hints (``latency``,
@@ -155,6 +168,7 @@ from .errors import (
     KernelValueError,
     UnsupportedOperation,
 )
+from .memory import UndeterminedPaddingWarning
 from .runner import is_interpreting, launch
 from .values import Array, Tile
 
@@ -165,6 +179,7 @@ __all__ = [
     "KernelTypeError",
     "KernelValueError",
     "Tile",
+    "UndeterminedPaddingWarning",
     "UnsupportedOperation",
     "is_interpreting",
     "launch",

@@ -30,7 +30,7 @@ from ..cutile_internals import is_boolean, is_integral, is_signed
 from .arguments import check_shape
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError
-from .memory import _padding_value
+from .memory import _padding_value, padding_fill
 from .registry import emulates
 from .values import Array, Tile
 
@@ -317,7 +317,7 @@ def load_advanced_indexing(array, indices, /, *, padding_mode=PaddingMode.UNDETE
                               f"got {padding_mode!r}")
     _check_hints(op, latency, allow_tma)
     idx, inside, shape = _advanced_coordinates(op, array, indices)
-    fill = _padding_value(op, padding_mode, array.dtype)
+    fill = (_padding_value if bool(inside.all()) else padding_fill)(op, padding_mode, array.dtype)
     result = torch.full(shape, fill, dtype=array._t.dtype)
     result[inside] = array._t[tuple(t[inside] for t in idx)]
     return Tile(result, array.dtype)

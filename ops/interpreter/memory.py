@@ -1,6 +1,10 @@
 """Memory: ct.load, ct.store and ct.num_tiles, with padding and bounds checks."""
 
+import contextlib
+import contextvars
 import math
+import os
+import warnings
 
 import torch
 from cuda.tile import MemoryOrder, MemoryScope, PaddingMode
@@ -8,7 +12,7 @@ from cuda.tile import MemoryOrder, MemoryScope, PaddingMode
 from ..cutile_internals import is_boolean, is_float, is_signed
 from .arguments import as_int, as_tile, axis_index, check_shape, int_tuple
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
-from .errors import KernelTypeError, KernelValueError
+from .errors import KernelTypeError, KernelValueError, kernel_location
 from .registry import emulates
 from .values import Array, Tile
 
@@ -64,6 +68,67 @@ def _tile_region(op, space_shape, index, tile_shape, check_bounds):
     return tuple(array_slices), (tuple(tile_slices) if partial else None)
 
 
+# Undetermined padding (``PaddingMode.UNDETERMINED``, the loads' default): what a padded element
+# of a partial tile reads as. "nan" (the default) pads floats with NaN and integers with their
+# most negative value, so a result that depends on it shows; "gpu" reads what an H200 returned
+# (the bit pattern of the integer 1: the smallest positive subnormal of a float dtype, 1 for
+# integers, True for booleans) and warns, once per kernel line, that the kernel relies on it.
+UNDETERMINED_PADDING_ENV = "MAMBA2_CUTILE_UNDETERMINED_PADDING"
+UNDETERMINED_PADDING_MODES = ("nan", "gpu")
+_undetermined_padding = contextvars.ContextVar("undetermined_padding", default=None)
+
+
+class UndeterminedPaddingWarning(UserWarning):
+    """A kernel read padding elements of undetermined value under ``undetermined_padding="gpu"``."""
+
+
+def undetermined_padding_mode(mode=None):
+    """``mode``, else the environment's ``MAMBA2_CUTILE_UNDETERMINED_PADDING``, else "nan";
+    checked."""
+    if mode is None:
+        mode = os.environ.get(UNDETERMINED_PADDING_ENV) or "nan"
+    if mode not in UNDETERMINED_PADDING_MODES:
+        raise ValueError(f"undetermined_padding (or ${UNDETERMINED_PADDING_ENV}) must be one of "
+                         f"{UNDETERMINED_PADDING_MODES}, got {mode!r}")
+    return mode
+
+
+@contextlib.contextmanager
+def undetermined_padding(mode):
+    """While a launch runs: what undetermined padding reads as (``undetermined_padding_mode``)."""
+    token = _undetermined_padding.set(undetermined_padding_mode(mode))
+    try:
+        yield
+    finally:
+        _undetermined_padding.reset(token)
+
+
+def _gpu_undetermined(dtype):
+    """The value an H200 returned for undetermined padding of 1-D partial tiles (all dtypes):
+    the bit pattern of the integer 1."""
+    if is_boolean(dtype):
+        return True
+    if not is_float(dtype):
+        return 1
+    torch_dtype = storage(dtype)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[
+        torch.empty((), dtype=torch_dtype).element_size()]
+    return torch.ones((), dtype=bits).view(torch_dtype).item()
+
+
+def padding_fill(op, mode, dtype):
+    """The value padded elements of a partial tile read as (``mode`` the load's padding mode);
+    under undetermined_padding="gpu" an undetermined read warns, naming the kernel line."""
+    if mode is PaddingMode.UNDETERMINED and (_undetermined_padding.get() or
+                                             undetermined_padding_mode()) == "gpu":
+        warnings.warn(f"{kernel_location()}: {op} reads elements past the array with "
+                      f"undetermined padding; they read as the GPU returned them (the bit "
+                      f"pattern of the integer 1), which no padding_mode promises",
+                      UndeterminedPaddingWarning, stacklevel=2)
+        return _gpu_undetermined(dtype)
+    return _padding_value(op, mode, dtype)
+
+
 def _padding_value(op, mode, dtype):
     if mode is PaddingMode.ZERO:
         return 0
@@ -108,7 +173,7 @@ def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERM
     if inside is None:
         data = view[region].clone()  # a copy: later stores must not change this tile
     else:
-        fill = _padding_value(op, padding_mode, array.dtype)
+        fill = padding_fill(op, padding_mode, array.dtype)
         data = torch.full(full_shape, fill, dtype=view.dtype)
         data[inside] = view[region]
     return Tile(data.reshape(shape), array.dtype)

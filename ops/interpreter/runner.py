@@ -10,6 +10,7 @@ import cuda.tile as ct
 from ..cutile_internals import DispatchMode, ScalarAnnotation, is_stub, kernel_function, stub_name
 from .arguments import as_int
 from .dtypes import compute, to_dtype
+from . import memory
 from .errors import KernelTypeError, UnsupportedOperation
 from .pybuiltins import tile_builtins
 from .registry import OPS, emulates
@@ -106,12 +107,16 @@ def _normalize_grid(grid):
     return grid + (1,) * (3 - len(grid))
 
 
-def launch(grid, kernel, args):
+def launch(grid, kernel, args, *, undetermined_padding=None):
     """Run a ``@ct.kernel`` on CPU tensors, block by block, in the calling thread.
 
     Arguments mirror ``ct.launch(stream, grid, kernel, args)`` without the
     stream.  Array arguments must be CPU tensors; results are written into
-    them in place.
+    them in place.  ``undetermined_padding``: what elements of a partial tile
+    loaded with ``PaddingMode.UNDETERMINED`` read as -- "nan" (the default:
+    NaN, or an integer's most negative value) or "gpu" (what an H200 returned,
+    with an ``UndeterminedPaddingWarning`` naming the kernel line); None takes
+    ``$MAMBA2_CUTILE_UNDETERMINED_PADDING``, else "nan".
     """
     if not isinstance(kernel, ct.kernel):
         raise TypeError(f"expected a @ct.kernel, got {type(kernel).__name__}")
@@ -124,7 +129,8 @@ def launch(grid, kernel, args):
                  for value, kind in zip(args, kinds)]
     mode = Interpreter(grid)
     # tile_builtins: max(tile, tile) and friends behave as the compiler makes them.
-    with torch.no_grad(), mode.as_current(), tile_builtins():
+    with torch.no_grad(), mode.as_current(), tile_builtins(), \
+            memory.undetermined_padding(undetermined_padding):
         for z in range(grid[2]):
             for y in range(grid[1]):
                 for x in range(grid[0]):

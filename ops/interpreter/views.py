@@ -26,7 +26,7 @@ from .arguments import as_int, as_tile, axis_index, check_shape, int_tuple
 from .atomics import SUPPORTED, check_dtype, combine_fn
 from .dtypes import convert, is_scalar
 from .errors import KernelTypeError, KernelValueError, UnsupportedOperation
-from .memory import _check_implicit_cast, _padding_value
+from .memory import _check_implicit_cast, _padding_value, padding_fill
 from .registry import emulates
 from .values import Array, Tile
 
@@ -184,7 +184,7 @@ class TiledView:
         if inside is None:
             data = source[region].clone()  # a copy: later stores must not change it
         else:
-            fill = _padding_value(op, self._padding_mode, self.dtype)
+            fill = padding_fill(op, self._padding_mode, self.dtype)
             data = torch.full(self._full_shape(), fill, dtype=source.dtype)
             data[inside] = source[region]
         return Tile(data.reshape(self._shape), self.dtype)

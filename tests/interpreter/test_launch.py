@@ -115,3 +115,26 @@ def test_only_cpu_launches_import_the_interpreter():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                             text=True, check=True)
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_the_projects_forward_is_quick_on_one_core():
+    """The whole interpreted forward at (batch 1, 512 tokens, 4 heads of 16 x 32), three kernels and
+    every block of each, stays far under 10 s on one CPU thread (measured ~0.1 s on a 2-core
+    machine): quick enough to step through and to grade exercises on a laptop."""
+    import time
+
+    from ops.forward import kernel_forward
+    from reference.problems import make_problem
+    kw = make_problem(batch=1, seqlen=512, nheads=4, headdim=16, ngroups=1, dstate=32, D="1d",
+                      dtype=torch.float32, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        start = time.perf_counter()
+        out, _ = kernel_forward(kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64, D=kw["D"],
+                                z=kw["z"], dt_bias=kw["dt_bias"], dt_softplus=True)
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    assert out.shape == kw["x"].shape and not out.isnan().any()
+    assert seconds < 10, seconds
