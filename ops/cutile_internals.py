@@ -23,6 +23,10 @@ Exports:
 * `is_arithmetic`, `is_boolean`, `is_float`, `is_integral`, `is_signed`: predicates on cuTile
   dtypes; `promote_dtypes(a, b, force_float=False)`: cuTile's promotion table (raises
   ``ct.TileError`` for pairs it does not promote implicitly).
+* `constant_float(value, dtype)`: the value a Python number takes as a constant of float dtype
+  `dtype` in compiled code, computed by the compiler's own encoder: one rounding to nearest
+  even from the Python float (torch's float64 -> bfloat16 / float16 conversions round twice,
+  through float32), overflow to inf, or to NaN in float8_e4m3fn, which has no infinity.
 """
 
 import importlib
@@ -67,6 +71,14 @@ def __getattr__(name):
         value = getattr(value, attribute)
     globals()[name] = value          # later look-ups find it directly
     return value
+
+
+def constant_float(value, dtype):
+    """The value of Python number ``value`` as a compiled constant of float dtype ``dtype``."""
+    from cuda.tile._bytecode.float import float_from_bits, float_to_bits
+    from cuda.tile._datatype import dtype_simple_bytecode_type
+    simple = dtype_simple_bytecode_type(dtype)
+    return float_from_bits(float_to_bits(float(value), simple), simple)
 
 
 def _require_kernel(kernel):

@@ -77,6 +77,13 @@ Values inside an interpreted kernel
   with an int tile gives float32).  Two tiles of different dtypes promote
   with cuTile's own table (``promote_dtypes``), so mixing e.g. bfloat16 and
   float16 is an error here as in the compiler.
+* A Python number used as a constant (an operand, ``ct.full``'s fill, a
+  stored or atomic value, a padding value) takes the value the compiler's
+  own constant encoder gives it (``cutile_internals.constant_float``):
+  rounded once from the Python float to the target dtype, so ``bf16_tile *
+  c`` sees the bfloat16 nearest ``c`` (not the bfloat16 nearest the float32
+  nearest ``c``), and a float8 constant out of range is NaN (e4m3fn) or inf
+  (e5m2), where a run-time ``astype`` saturates.
 
 Numerics
 --------
@@ -138,7 +145,11 @@ on tiles are ``ct.maximum`` / ``ct.minimum`` (exactly two arguments),
 ``sum``, ``any``, ``all``, ``sorted`` are refused.  `pybuiltins` installs
 the same behaviour for tile arguments while `launch` runs.  ``int()`` and
 ``float()`` of a one-element tile are accepted here although the compiler
-only takes constants.
+only takes constants.  Tiles inside an iterator (``sum(t for t in tiles)``,
+``max(map(f, tiles))``) are seen as in a list, and refused alike.  The
+replacements live in Python's ``builtins`` module while a launch runs, so
+another thread's code sees them too (they behave as the originals unless
+that thread is interpreting a kernel).
 
 float8
 ------
@@ -153,7 +164,11 @@ Not emulated: the operations marked refused or in progress in
 them foreign pointers, unsigned types other than uint8, rounding modes other
 than the default, flush-to-zero (ignored) and ``ct.float32(x)``-style dtype
 calls.  There is no timing and no concurrency: blocks run one at a
-time, x fastest, then y, then z.
+time, x fastest, then y, then z.  Plain Python that the compiler does not
+accept runs here unchecked, since a kernel is run as Python, not compiled:
+tuple arithmetic such as ``(1,) * n + shape``, or calls into torch or numpy.
+Compile a kernel ahead of time (``ops.tools.aot``) to see the compiler's
+verdict.
 """
 
 # Every operation module is imported so that registry.OPS is complete.

@@ -5,7 +5,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile import RoundingMode
 
-from ..cutile_internals import is_float, promote_dtypes
+from ..cutile_internals import constant_float, is_float, promote_dtypes
 from .dtypes import (
     TORCH_DTYPE,
     compute,
@@ -13,6 +13,7 @@ from .dtypes import (
     dtype_of_scalar,
     is_scalar,
     promote_with_scalar,
+    storage,
     to_dtype,
 )
 from .errors import KernelTypeError, UnsupportedOperation
@@ -51,12 +52,22 @@ def as_tile(value):
     raise KernelTypeError(f"expected a tile or a scalar, got {type(value).__name__}")
 
 
+def constant(value, dtype):
+    """A Python scalar as a 0-d tensor of `dtype`, as the compiler makes the constant: for a float
+    dtype, the compiler's own rounding of the Python number (`constant_float`: once, from
+    float64; float8 overflow gives inf or NaN, not the saturation of a run-time conversion)."""
+    if is_float(dtype) and not isinstance(value, bool):
+        exact = constant_float(value, dtype)            # representable: converts exactly
+        return torch.tensor(exact, dtype=torch.float64).to(storage(dtype))
+    return to_dtype(torch.tensor(value, dtype=compute(dtype)), dtype)
+
+
 def operand(value, dtype):
     """`value` (tile or scalar) converted to `dtype`, in `dtype`'s compute precision."""
     if isinstance(value, Tile):
         t = convert(value._t, value.dtype, dtype)
     else:
-        t = to_dtype(torch.tensor(value, dtype=compute(dtype)), dtype)
+        t = constant(value, dtype)
     precision = compute(dtype)
     return t if t.dtype == precision else t.to(precision)
 

@@ -31,7 +31,7 @@ import cuda.tile as ct
 from cuda.tile import MemoryOrder, MemoryScope
 
 from ..cutile_internals import is_float, is_integral
-from .arguments import as_tile
+from .arguments import as_tile, constant
 from .dtypes import convert, is_scalar, storage
 from .errors import KernelTypeError, KernelValueError
 from .memory import _check_implicit_cast
@@ -94,6 +94,9 @@ def operand_values(op, value, dtype, shape, what, bitwise, shape_name="index"):
         raise KernelTypeError(f"{op}: {what} of dtype "
                               f"{value.dtype if isinstance(value, Tile) else repr(value)} "
                               f"cannot be implicitly cast to the {dtype} array") from None
+    if is_scalar(value):
+        # a constant: the compiler rounds the Python number once to the array's dtype
+        return torch.broadcast_to(constant(value, dtype), tuple(shape))
     tile = as_tile(value)
     try:
         data = torch.broadcast_to(tile._t, shape)

@@ -4,7 +4,7 @@ import torch
 
 import cuda.tile as ct
 
-from .arguments import as_int, as_tile, check_shape, int_tuple
+from .arguments import as_int, as_tile, check_shape, constant, int_tuple
 from .dtypes import convert, is_scalar, require_dtype
 from .errors import KernelTypeError
 from .registry import OPS, emulates
@@ -17,11 +17,17 @@ def full(shape, fill_value, dtype):
     shape = int_tuple(op, shape, "shape")
     check_shape(op, shape)
     dtype = require_dtype(op, dtype)
-    value = as_tile(fill_value)
-    if value.ndim != 0:
-        raise KernelTypeError(f"{op}: fill_value must be a scalar, got shape {value.shape}")
+    if is_scalar(fill_value):
+        # A constant, rounded once from the Python number as the compiler does (not through
+        # the float32 a Python float would otherwise be).
+        t = constant(fill_value, dtype)
+    else:
+        value = as_tile(fill_value)
+        if value.ndim != 0:
+            raise KernelTypeError(f"{op}: fill_value must be a scalar, got shape {value.shape}")
+        t = convert(value._t, value.dtype, dtype)
     # expand() makes a view without copying; tiles are never written in place.
-    return Tile(convert(value._t, value.dtype, dtype).expand(shape), dtype)
+    return Tile(t.expand(shape), dtype)
 
 
 @emulates("zeros")

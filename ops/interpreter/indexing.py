@@ -27,7 +27,7 @@ import torch
 from cuda.tile import PaddingMode
 
 from ..cutile_internals import is_boolean, is_integral, is_signed
-from .arguments import check_shape
+from .arguments import check_shape, constant
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError
 from .memory import _padding_value, padding_fill
@@ -91,8 +91,7 @@ def _cast_to_array(op, what, value, dtype):
         if not info.min <= value <= info.max:
             raise KernelValueError(f"{op}: `{what}` {value} is out of range of {dtype}")
     # Round the exact Python value once, as the compiler does for constants.
-    exact = torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
-    return convert(exact, ct.float64 if isinstance(value, float) else ct.int64, dtype)
+    return constant(value, dtype)
 
 
 def _index_items(op, array, indices):
@@ -172,8 +171,9 @@ def _bits(t):
     return t
 
 
-def _check_no_conflicts(op, array, targets, values):
-    """Refuse two writes of different values to one element (their order is unspecified)."""
+def check_no_conflicts(op, shape, targets, values, where="array index"):
+    """Refuse two writes of different values to one element (their order is unspecified):
+    ``targets`` are flat element numbers of an array of ``shape``, ``values`` what each writes."""
     if targets.numel() < 2:
         return
     order = torch.argsort(targets, stable=True)
@@ -181,10 +181,10 @@ def _check_no_conflicts(op, array, targets, values):
     clash = (t[1:] == t[:-1]) & (v[1:] != v[:-1])
     if clash.any():
         k = int(clash.nonzero()[0])
-        index = tuple(int(i) for i in torch.unravel_index(t[k], array.shape))
+        index = tuple(int(i) for i in torch.unravel_index(t[k], tuple(shape)))
         raise KernelValueError(
-            f"{op}: several elements write different values to array index {index}; "
-            "the GPU does not define which one wins")
+            f"{op}: several elements write different values to {where} "
+            f"{index[0] if where == 'offset' else index}; the GPU does not define which one wins")
 
 
 def _write(op, array, idx, data):
@@ -195,7 +195,7 @@ def _write(op, array, idx, data):
         flat = torch.zeros_like(idx[0])
         for t, extent in zip(idx, array.shape):
             flat = flat * extent + t
-        _check_no_conflicts(op, array, flat, data)
+        check_no_conflicts(op, array.shape, flat, data)
     array._t[tuple(idx)] = data
 
 

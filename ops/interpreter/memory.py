@@ -10,7 +10,7 @@ import torch
 from cuda.tile import MemoryOrder, MemoryScope, PaddingMode
 
 from ..cutile_internals import is_boolean, is_float, is_signed
-from .arguments import as_int, as_tile, axis_index, check_shape, int_tuple
+from .arguments import as_int, axis_index, check_shape, constant, int_tuple
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError, kernel_location
 from .registry import emulates
@@ -204,8 +204,10 @@ def store(array, /, index, tile, *, order="C", check_bounds=True, latency=None,
     if not isinstance(tile, Tile) and not is_scalar(tile):
         raise KernelTypeError(f"{op}: can only store a tile or a scalar, got {type(tile).__name__}")
     _check_implicit_cast(op, tile, array.dtype)
-    data = as_tile(tile)
-    data = convert(data._t, data.dtype, array.dtype)
+    if isinstance(tile, Tile):
+        data = convert(tile._t, tile.dtype, array.dtype)
+    else:
+        data = constant(tile, array.dtype)       # rounded once, as the compiler's constant
     if data.dim() == 0:
         data = data.reshape((1,) * array.ndim)  # scalars are stored as 1x..x1 tiles
     elif data.dim() != array.ndim:

@@ -47,15 +47,27 @@ def _involves_tiles(args):
     for a in args:
         if isinstance(a, (Tile, Array)):
             return True
-        if isinstance(a, (tuple, list)) and any(isinstance(v, (Tile, Array)) for v in a):
+        if isinstance(a, (tuple, list)) and _ORIGINAL["any"](isinstance(v, (Tile, Array))
+                                                             for v in a):
             return True
     return False
+
+
+def _materialized(args):
+    """The arguments with iterators (generator expressions, ``map``, ``iter(...)``) turned into
+    lists while a kernel runs, so that tiles inside them are seen: ``sum(t for t in tiles)`` is
+    refused like ``sum(tiles)``. (Consuming the iterator here is what the original would do.)"""
+    # (the original any: the replacement would call back into this function)
+    if not _ORIGINAL["any"](hasattr(a, "__next__") for a in args) or not _interpreting():
+        return args
+    return tuple(list(a) if hasattr(a, "__next__") else a for a in args)
 
 
 def _min_max(name, emulation):
     original = _ORIGINAL[name]
 
     def replacement(*args, **kwargs):
+        args = _materialized(args)
         if not (_involves_tiles(args) and _interpreting()):
             return original(*args, **kwargs)
         # The compiler's signature is (x, y, /): no iterable, no key=, no default=.
@@ -79,6 +91,7 @@ def _unsupported(name, hint):
     original = _ORIGINAL[name]
 
     def replacement(*args, **kwargs):
+        args = _materialized(args)
         if not (_involves_tiles(args) and _interpreting()):
             return original(*args, **kwargs)
         raise KernelTypeError(f"{name}() is not supported in tile code{hint}")

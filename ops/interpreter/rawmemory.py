@@ -14,8 +14,9 @@ here; lanes switched off by ``mask`` are not checked.
 * ``load_offset(offset, mask=None, padding_value=0)``: shape of ``offset``;
   masked-off lanes get ``padding_value`` (implicitly cast to the array dtype);
 * ``store_offset(offset, value, mask=None)``: ``value`` is implicitly cast
-  and broadcast to the offset shape; lanes storing to the same element are
-  applied in C order, so the last one wins (on a GPU, any one may);
+  and broadcast to the offset shape; lanes storing different values to the
+  same element race on a GPU (any one may win), so they are refused, as
+  ``ct.scatter`` refuses them (lanes storing the same value are fine);
 * ``atomic_<op>_offset``: the dtype rules, memory order / scope checks and
   lane serialization of `atomics` (C order, one lane at a time per
   element).  Masked-off lanes do nothing; ``atomic_cas_offset`` returns
@@ -34,6 +35,7 @@ from ..cutile_internals import is_boolean, is_integral
 from . import atomics
 from .dtypes import storage
 from .errors import KernelTypeError, KernelValueError
+from .indexing import check_no_conflicts
 from .registry import OPS, emulates
 from .values import Array, Tile
 
@@ -166,10 +168,10 @@ def store_offset(raw, offset, value, /, *, mask=None, latency=None):
     offsets = _offsets(op, offset)
     active = _active(op, raw, offsets, mask)
     data = _cast_value(op, value, raw.dtype, offsets.shape, "value")
-    old = torch.empty(offsets.shape, dtype=storage(raw.dtype))
-    # An exchange lane by lane in C order: the last lane storing to an element wins.
-    atomics.apply_serialized(raw._flat, [offsets], active, [data],
-                             atomics.combine_fn("xchg", raw.dtype), old)
+    # Lanes storing different values to one element race on the GPU (as in ct.scatter): refused.
+    targets, values = offsets[active], data[active]
+    check_no_conflicts(op, raw._flat.shape, targets, values, where="offset")
+    raw._flat[targets] = values
 
 
 def _atomic_offset(name, raw, offset, operands, what, mask, memory_order, memory_scope):

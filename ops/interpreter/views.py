@@ -22,11 +22,10 @@ import torch
 from cuda.tile import PaddingMode
 
 from ..cutile_internals import is_integral, is_signed
-from .arguments import as_int, as_tile, axis_index, check_shape, int_tuple
-from .atomics import SUPPORTED, check_dtype, combine_fn
-from .dtypes import convert, is_scalar
+from .arguments import as_int, axis_index, check_shape, int_tuple
+from .atomics import SUPPORTED, check_dtype, combine_fn, operand_values
 from .errors import KernelTypeError, KernelValueError, UnsupportedOperation
-from .memory import _check_implicit_cast, _padding_value, padding_fill
+from .memory import _padding_value, padding_fill
 from .registry import emulates
 from .values import Array, Tile
 
@@ -162,20 +161,8 @@ class TiledView:
 
     def _tile_data(self, op, value, what, bitwise=False):
         """`value` broadcast to the tile shape, converted (implicitly) to the view's dtype."""
-        if not isinstance(value, Tile) and not is_scalar(value):
-            raise KernelTypeError(f"{op}: {what} must be a tile or a scalar, "
-                                  f"got {type(value).__name__}")
-        if bitwise and isinstance(value, Tile) and value.dtype != self.dtype:
-            raise KernelTypeError(f"{op}: {what} dtype {value.dtype} must exactly match the "
-                                  f"view dtype {self.dtype} (bitwise atomics do not cast)")
-        _check_implicit_cast(op, value, self.dtype)
-        tile = as_tile(value)
-        try:
-            data = torch.broadcast_to(tile._t, self._full_shape())
-        except RuntimeError:
-            raise KernelTypeError(f"{op}: {what} shape {tile.shape} is not broadcastable to "
-                                  f"the tiled view's tile shape {self._shape}") from None
-        return convert(data, tile.dtype, self.dtype)
+        return operand_values(op, value, self.dtype, self._full_shape(), what, bitwise,
+                              shape_name="tiled view's tile")
 
     def load(self, index, *, check_bounds=True, latency=None, allow_tma=None):
         op = "TiledView.load"

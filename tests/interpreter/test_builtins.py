@@ -95,6 +95,8 @@ def test_divmod_of_floats_is_refused():
     lambda t: max(t, t, t),
     lambda t: max([t, t]),
     lambda t: min(t, t, key=abs),
+    lambda t: max(u for u in (t, t)),              # a generator's tiles are seen too
+    lambda t: min(map(abs, (t, t))),
 ])
 def test_max_min_take_exactly_two_arguments(call):
     with pytest.raises(KernelTypeError, match="exactly two positional arguments"):
@@ -105,6 +107,8 @@ def test_max_min_take_exactly_two_arguments(call):
     ("pow", lambda t: pow(t, 2)),
     ("round", lambda t: round(t)),
     ("sum", lambda t: sum([t, t])),
+    ("sum", lambda t: sum(u * 2 for u in (t, t))),
+    ("any", lambda t: any(iter([t]))),
     ("any", lambda t: any([t])),
     ("all", lambda t: all([t])),
     ("sorted", lambda t: sorted([t, t])),
@@ -112,6 +116,12 @@ def test_max_min_take_exactly_two_arguments(call):
 def test_unsupported_builtins_are_refused_like_the_compiler(name, call):
     with pytest.raises(KernelTypeError, match=rf"{name}\(\) is not supported in tile code"):
         evaluate(call, randn(4))
+
+
+def test_generators_of_scalars_keep_pythons_builtins():
+    # inside a kernel, builtins over plain Python values (shapes, sizes) are Python's
+    assert evaluate(lambda t: t * max(n for n in (2, 3)) + sum(n for n in range(4)),
+                    torch.ones(2))._t.tolist() == [9.0, 9.0]
 
 
 def test_builtins_are_restored_and_untouched_outside_kernels():

@@ -71,6 +71,17 @@ def test_store_offset_scatters_and_masks():
     torch.testing.assert_close(x, expected, rtol=0, atol=0, equal_nan=True)
 
 
+def test_store_offset_lanes_storing_one_value_to_one_element_are_fine():
+    @ct.kernel
+    def halves(x):
+        lanes = ct.arange(8, dtype=ct.int32)
+        x.get_raw_memory().store_offset(lanes // 2, (lanes // 2) * 10)   # pairs of equal values
+
+    x = randint(4, dtype=torch.int32)
+    interpreter.launch((1,), halves, (x,))
+    assert x.tolist() == [0, 10, 20, 30]
+
+
 def test_atomic_add_offset_counts_and_returns_old_values():
     values = randint(64, low=0, high=12, seed=5)  # 10, 11 are masked off
     counts = torch.zeros(10, dtype=torch.int32)
@@ -191,6 +202,9 @@ def _run(body, *tensors):
     (lambda r: r.store_offset(ct.arange(4, dtype=ct.int32), ct.full((8,), 1, ct.int32)),
      KernelTypeError, "value shape"),
     (lambda r: r.store_offset(0, 2.5), KernelTypeError, "value"),
+    # two lanes storing different values to one element race on a GPU, as in ct.scatter
+    (lambda r: r.store_offset(ct.arange(4, dtype=ct.int32) // 2, ct.arange(4, dtype=ct.int32)),
+     KernelValueError, "different values to offset 0"),
     (lambda r: r.atomic_and_offset(0, ct.full((1,), 1, ct.int64)), KernelTypeError, "update"),
     (lambda r: r.atomic_add_offset(0, 1, memory_scope=ct.MemoryScope.NONE),
      KernelTypeError, "memory_scope"),
