@@ -21,7 +21,10 @@ the specification, step by step, and names the same quantities):
 and the host adds what remains: dB and dC's head-split partials, d dA at each chunk's last token
 (the pass' term and the token tiles' sums), dD's token-tile partials; dA and ddt_bias are the
 cumsum kernel's per-chunk partials summed. Every sum runs in a fixed order (no atomics), so the
-gradients are bitwise reproducible. With ``configs={"bwd_compute_out": {"FUSE_STATES": False}}``
+gradients are bitwise reproducible. With z, the token kernel's skip terms (D dy and dD's sum of
+dy x) read dy as rounded to x's dtype, the kernels' operand, where the specification takes it
+in float32: one more rounding of dy (bf16: 2**-9 relative) in those two terms; without z, dy is
+dout itself and nothing changes. With ``configs={"bwd_compute_out": {"FUSE_STATES": False}}``
 the token launch leaves the states' gradients to ``bwd_chunk_states``, launched after it, which
 adds its dx, ddt_out and ddA_cumsum into the token launch's (then float32) ones.
 
@@ -166,7 +169,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
                                       "dB, dC (their sums)": 2 * split_sum(out_splits),
                                       **token_parts},
         "chunk_cumsum": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
-                         "ddt_out, ddA": 2 * chunked, "dD partials": token_parts["dD partials"],
+                         "ddt_out, ddA": 2 * chunked,
                          "ddt (b, L, h)": batch * seqlen * nheads * f32},
         "gradients in x's dtype": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
                                    "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
@@ -342,6 +345,7 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     if fused:
         del dS
         ddA[..., -1] += ddA_tiles.sum(-1)      # the states' term at each chunk's last token
+        del ddA_tiles
         if configs.get("bwd_chunk_states") is not None:
             # unused, but a typo in it must not pass unnoticed
             resolve_config(configs["bwd_chunk_states"], chunk_states_config(
@@ -357,13 +361,17 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         dB += dB_s                             # chunk_states' dB, summed over the group's heads
         del dB_s
     ddA[..., -1] += ddA_last                   # the pass' term, at each chunk's last token
+    del ddA_last
+    dD = None
+    if D is not None and "D" in wanted:
+        dD = dD_parts.sum((0, 1))              # the token tiles' partials, in a fixed order
+    del dD_parts
     ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt, ddA, dt_, A.contiguous(),
                                          None if dt_bias is None else dt_bias.contiguous(),
                                          dt_softplus, dt_limit, poison=poison,
                                          config=configs.get("bwd_chunk_cumsum"))
     del ddA
-    if D is not None and "D" in wanted:
-        dD = dD_parts.sum((0, 1))              # the token tiles' partials, in a fixed order
+    if dD is not None:
         grads["dD"] = (dD.sum(-1) if D.dim() == 1 else dD).to(out_dtype("D"))
     grads.update(dx=dx.to(out_dtype("x")), ddt=ddt.to(out_dtype("dt")), dA=dA.to(out_dtype("A")),
                  dB=dB.to(out_dtype("B")), dC=dC.to(out_dtype("C")))

@@ -74,8 +74,8 @@ Sizes
     headdim and dstate are padded to ``ops.utils.tile_size`` (powers of two, at least 16): the
     loads pad with zeros and the stores drop the padding. The token kernel holds one head's
     (headdim, dstate) entry state and the (BLOCK_T, dstate) dB and dC accumulators: fine for the
-    usual 64 x 128 at BLOCK_T = 64; beyond 64 x 256 the default takes BLOCK_T = 32, and the
-    largest sizes (256 x 512) compile but spill (they would want dstate slices).
+    usual 64 x 128 at BLOCK_T = 64; beyond 64 x 256 (= 128 x 128) the default takes BLOCK_T =
+    32, and the largest sizes (256 x 512) compile but spill (they would want dstate slices).
 
 Precision
     Every product accumulates in float32. C B^T and dG = dy x^T take the inputs as they are
@@ -355,15 +355,17 @@ WORKER_WARPS = 8
 
 
 def default_block_t(chunk_size, headdim, dstate):
-    """64-token tiles, 32 beyond a 64 x 256 (or 128 x 128) state (the block holds (BLOCK_T,
+    """64-token tiles, 32 beyond a 64 x 256 (= 128 x 128) state (the block holds (BLOCK_T,
     dstate) dB and dC accumulators and (headdim, dstate) states); never more than the chunk.
 
     Measured on an H200 at 64 x 128 (the backward alone, 8 x 2K x 80 heads): 32-token tiles take
     2.1x the time of 64-token ones. Compiled for sm_90 (static counts, the fused launch at chunk
-    256; not yet timed), 64-token tiles spill less up to that size and more beyond it:
+    256; not timed beyond 64 x 128), 64-token tiles spill less up to that size and more beyond:
         state (headdim x dstate)  64 x 128   64 x 256   128 x 128   128 x 256   64 x 512
         spill stores, BLOCK_T 64     592 B      800 B       252 B      6240 B    11704 B
-        spill stores, BLOCK_T 32     884 B     1840 B      1784 B      3288 B     4228 B"""
+        spill stores, BLOCK_T 32     884 B     1840 B      1784 B      3288 B     4228 B
+    (at 64 x 256 and 128 x 128 the 64-token kernel has 255 registers x 256 threads, at 64 x 128
+    168 x 384)."""
     big = tile_size(headdim) * tile_size(dstate) > 64 * 256
     return min(32 if big else 64, chunk_size)
 

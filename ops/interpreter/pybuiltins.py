@@ -56,11 +56,21 @@ def _involves_tiles(args):
 def _materialized(args):
     """The arguments with iterators (generator expressions, ``map``, ``iter(...)``) turned into
     lists while a kernel runs, so that tiles inside them are seen: ``sum(t for t in tiles)`` is
-    refused like ``sum(tiles)``. (Consuming the iterator here is what the original would do.)"""
+    refused like ``sum(tiles)``. Only for the builtins that consume their iterable whole anyway
+    (max, min, sum, sorted); any and all stop early, so they check lazily (`_lazily_checked`)."""
     # (the original any: the replacement would call back into this function)
     if not _ORIGINAL["any"](hasattr(a, "__next__") for a in args) or not _interpreting():
         return args
     return tuple(list(a) if hasattr(a, "__next__") else a for a in args)
+
+
+def _lazily_checked(name, hint, iterable):
+    """``iterable``'s items one by one, refusing a tile or array when it comes (any and all keep
+    their short-circuit: items after the deciding one are never made)."""
+    for item in iterable:
+        if isinstance(item, (Tile, Array)):
+            raise KernelTypeError(f"{name}() is not supported in tile code{hint}")
+        yield item
 
 
 def _min_max(name, emulation):
@@ -87,11 +97,13 @@ def _divmod(x, y):
     return OPS["divmod"](x, y)
 
 
-def _unsupported(name, hint):
+def _unsupported(name, hint, lazy=False):
     original = _ORIGINAL[name]
 
     def replacement(*args, **kwargs):
-        args = _materialized(args)
+        if lazy and len(args) == 1 and hasattr(args[0], "__next__") and _interpreting():
+            return original(_lazily_checked(name, hint, args[0]), **kwargs)
+        args = args if lazy else _materialized(args)
         if not (_involves_tiles(args) and _interpreting()):
             return original(*args, **kwargs)
         raise KernelTypeError(f"{name}() is not supported in tile code{hint}")
@@ -107,8 +119,8 @@ _REPLACEMENTS = {
     "round": _unsupported("round", "; convert with .astype() (rounds to nearest even for "
                                    "float to float, truncates for float to int)"),
     "sum": _unsupported("sum", "; use ct.sum(t, axis) or +"),
-    "any": _unsupported("any", "; reduce with ct.max() of a bool tile, or ct.reduce"),
-    "all": _unsupported("all", "; reduce with ct.min() of a bool tile, or ct.reduce"),
+    "any": _unsupported("any", "; reduce with ct.max() of a bool tile, or ct.reduce", lazy=True),
+    "all": _unsupported("all", "; reduce with ct.min() of a bool tile, or ct.reduce", lazy=True),
     "sorted": _unsupported("sorted", ""),
 }
 

@@ -23,7 +23,7 @@ Per implementation and chunk:
     first_s      the first step (compilation and autotuning included; after ``--warm-procs``
                  processes compiled it, so mostly the disk cache's load)
     peak_mib     memory allocated during one step beyond what was allocated before it
-    speedup      Triton's fwd_bwd_ms / this one's
+    speedup      Triton's fwd_bwd_ms / this one's (NaN where Triton did not run)
     grad_diff_*  each gradient's relative difference (in norm) from Triton's (TileGym's dt and
                  dt_bias gradients are of another quantity, the processed dt: not compared)
 """
@@ -132,7 +132,8 @@ def measure(impl, chunk, inputs, dout, timed=True):
 
 def _runs(shape, impls, chunks, tilegym_chunk):
     """(impl, chunk) pairs to run at ``shape``, Triton first (the baseline)."""
-    runs = [("triton", 256)] + [("cutile", c) for c in chunks if "cutile" in impls]
+    runs = [("triton", 256)] if "triton" in impls else []
+    runs += [("cutile", c) for c in chunks if "cutile" in impls]
     if "tilegym" in impls and shape["seqlen"] % tilegym_chunk == 0:
         runs.append(("tilegym", tilegym_chunk))
     return runs
@@ -220,7 +221,7 @@ def main(argv=None):
     rows = []
     for name, shape in shapes:
         inputs, dout = _setup(shape)
-        base = ref = None
+        base = ref = None               # Triton's row and gradients: the baseline, or none
         for impl, chunk in _runs(shape, impls, chunks, args.tilegym_chunk):
             try:
                 row, grads = measure(impl, chunk, inputs, dout)
@@ -228,18 +229,21 @@ def main(argv=None):
                 print(f"{name:24s} {impl:7s} chunk {chunk:3d}: FAILED {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
                 continue
-            if base is None:
+            if impl == "triton":
                 base, ref = row, grads
-            row.update(shape=name, **shape, speedup=base["fwd_bwd_ms"] / row["fwd_bwd_ms"],
-                       **{f"grad_diff_{k}": grad_diff(grads.get(k), ref[k]) for k in LEAVES})
+            nan = float("nan")
+            row.update(shape=name, **shape,
+                       speedup=base["fwd_bwd_ms"] / row["fwd_bwd_ms"] if base else nan,
+                       **{f"grad_diff_{k}": grad_diff(grads.get(k), ref[k]) if ref else nan
+                          for k in LEAVES})
             rows.append(row)
-            worst = max(v for k in LEAVES if (v := row[f"grad_diff_{k}"]) == v)    # not NaN
+            diffs = [v for k in LEAVES if (v := row[f"grad_diff_{k}"]) == v]    # not NaN
             print(f"{name:24s} {impl:7s} chunk {chunk:3d}: fwd+bwd {row['fwd_bwd_ms']:7.3f} ms "
                   f"({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
                   f"{row['first_s']:.1f} s, peak +{row['peak_mib']:.0f} MiB, grad diff <= "
-                  f"{worst:.1e}", flush=True)
+                  f"{max(diffs) if diffs else nan:.1e}", flush=True)
         del inputs, dout
-        if args.out:                    # after every shape: a run cut short keeps what it has
+        if args.out and rows:           # after every shape: a run cut short keeps what it has
             from tests.benchmark.report import write_csv
             device = torch.cuda.get_device_name()
             write_csv(args.out, [dict(r, device=device, torch=torch.__version__) for r in rows])

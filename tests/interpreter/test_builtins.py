@@ -122,6 +122,10 @@ def test_generators_of_scalars_keep_pythons_builtins():
     # inside a kernel, builtins over plain Python values (shapes, sizes) are Python's
     assert evaluate(lambda t: t * max(n for n in (2, 3)) + sum(n for n in range(4)),
                     torch.ones(2))._t.tolist() == [9.0, 9.0]
+    # any and all still stop at the deciding item (the rest is never made)
+    import itertools
+    assert evaluate(lambda t: t * any(10 // (2 - i) > 0 for i in range(3))
+                    + all(n < 3 for n in itertools.count()), torch.ones(2))._t.tolist() == [1.0, 1.0]
 
 
 def test_builtins_are_restored_and_untouched_outside_kernels():
