@@ -88,6 +88,7 @@ import torch
 
 import cuda.tile as ct
 
+from .chunk_scores import chunk_scores_plan, new_scores
 from .configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from .launch import Plan, fit_index_width, run
 from .utils import (NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
@@ -147,6 +148,16 @@ def times_transposed(a, b, acc):
     return ct.mma(a, ct.transpose(b), acc)
 
 
+def score_tile(scores, c_rows, b_cols, b, c, g, i, j, BLOCK_T, SCORES_IN_MEMORY):
+    """The (BLOCK_T, BLOCK_T) tile (i, j) of chunk c's C B^T: C[rows] @ B[cols]^T formed here, or
+    read from the ``scores`` chunk_scores filled (SCORES_IN_MEMORY: once per group, not once per
+    head)."""
+    if SCORES_IN_MEMORY:
+        t = ct.load(scores, (b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T))
+        return ct.reshape(t, (BLOCK_T, BLOCK_T))
+    return times_transposed(c_rows, b_cols, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+
+
 @ct.kernel
 def bwd_compute_out_kernel(
     dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
@@ -169,6 +180,8 @@ def bwd_compute_out_kernel(
     D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
     dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials;
                                         # unwritten unless WITH_SKIP
+    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
+                                        # (ops/chunk_scores.py); unread unless SCORES_IN_MEMORY
     heads_per_group: int,
     heads_per_block: int,               # divides heads_per_group; splits = their ratio
     CHUNK: ConstInt,
@@ -179,6 +192,7 @@ def bwd_compute_out_kernel(
     BF16_OPERANDS: ConstBool,           # 16-bit operands for the computed ones (bf16 inputs)
     WITH_STATES: ConstBool,             # add the gradients through the chunk's own state (dS)
     WITH_SKIP: ConstBool,               # add the skip's dx (D dy) and write dD's partials
+    SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
 ):
     splits = heads_per_group // heads_per_block
     head_blocks = dB.shape[3] * splits
@@ -245,7 +259,7 @@ def bwd_compute_out_kernel(
                 dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
                 pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
                 seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
-                cb = times_transposed(c_i, b_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                cb = score_tile(scores, c_i, b_t, b, c, g, i, t, BLOCK_T, SCORES_IN_MEMORY)
                 dG = times_transposed(dy_i, x_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
                 m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
                 dG_m = dG * m
@@ -265,7 +279,7 @@ def bwd_compute_out_kernel(
                 dt_j = chunk_tokens(dt_out, b, h, c, j, BLOCK_T)
                 pos_j = j * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
                 seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
-                cb = times_transposed(c_t, b_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                cb = score_tile(scores, c_t, b_j, b, c, g, t, j, BLOCK_T, SCORES_IN_MEMORY)
                 dG = times_transposed(dy_t, x_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
                 m_dt = decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX) * dt_j[None, :]
                 dcb = dG * m_dt
@@ -397,7 +411,9 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     all heads of a group per block), the dentry kernel's tiles of the whole (padded) headdim and
     up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
     FUSE_STATES: ``ops/backward.py`` lets the token kernel do ``bwd_chunk_states``' work too
-    (False: it launches that kernel after this one)."""
+    (False: it launches that kernel after this one). SCORES_IN_MEMORY off: the token kernel forms
+    each head's C B^T tiles itself (on: ``ops/chunk_scores.py`` forms them once per chunk and
+    group beforehand, and every head reads them; not yet timed)."""
     bt = default_block_t(chunk_size, headdim, dstate)
     if seqlen is None:
         hb = nheads // ngroups
@@ -407,15 +423,15 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                                      blocks_per_head_block=batch * tiles)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
-                num_worker_warps=WORKER_WARPS, FUSE_STATES=True)
+                num_worker_warps=WORKER_WARPS, FUSE_STATES=True, SCORES_IN_MEMORY=False)
 
 
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
-    """Variants worth timing (the default first, at most 9): the other token tile (32 or 64),
+    """Variants worth timing (the default first, at most 11): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
-    multiprocessor), smaller dentry tiles, and the chunk states' gradients in a kernel of their
-    own."""
+    multiprocessor), smaller dentry tiles, the chunk states' gradients in a kernel of their
+    own, and C B^T read from memory (alone and with one head per block)."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]
@@ -430,6 +446,9 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
                     "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
     configs.append({**base, "FUSE_STATES": False})
+    # C B^T from memory, once per group (ops/chunk_scores.py), alone and with more, smaller blocks
+    configs += [{**base, "SCORES_IN_MEMORY": True},
+                {**base, "SCORES_IN_MEMORY": True, "HEADS_PER_BLOCK": 1}]
     return unique(configs)
 
 
@@ -554,17 +573,24 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     if D is not None:
         dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
         D = (D[:, None].expand(nheads, headdim) if D.dim() == 1 else D).float().contiguous()
+    scores, before = None, ()
+    if cfg["SCORES_IN_MEMORY"]:
+        # C B^T once per (chunk, group), in the token kernel's tiles
+        scores = new_scores(B, chunk_size, poison)
+        before = (chunk_scores_plan(B, C, scores, bt, bt, min(tile_size(dstate), 128)),)
     stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
     args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
             ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2), stand_in(dD_parts, 4),
-            nheads // ngroups, hb, chunk_size, bt, tile_size(headdim), tile_size(dstate),
-            seq_idx is not None, bf16, dS is not None, D is not None)
+            entry_states if scores is None else scores,      # (never read without scores)
+            nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
+            tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
+            scores is not None)
     kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
     grid = (tiles * ngroups * splits, batch)
     outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
     if launches == "tokens":
-        return Plan(grid, kernel, args, outputs)
-    return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,))
+        return Plan(grid, kernel, args, outputs, before)
+    return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,) + before)
 
 
 def _check_optional(x, B, dt_out, dS, D, dx_dtype):

@@ -18,7 +18,7 @@ the autotuner; mamba_ssm's Triton forward always takes this route (``_bmm_chunk_
 The grid is (chunk tiles, ngroups, batch) with one block per (BLOCK_M, BLOCK_K) tile of a chunk's
 scores; every tile is written (including those above the diagonal, which compute_out masks), so
 the buffer holds no uninitialised values. Rows or columns past the end of the sequence read B and
-C as zeros. The products accumulate in float32 from operands in the inputs' dtype, exactly as
+C as zeros; a tile whose rows or columns all lie past it is written as zeros without loading. The products accumulate in float32 from operands in the inputs' dtype, exactly as
 compute_out's own C B^T does, so the two routes agree to the order of float32 summation.
 """
 import torch
@@ -52,12 +52,16 @@ def chunk_scores_kernel(
     col_tile = c * n_k + j
     lat = latency_hint(LOAD_LAT)
     acc = ct.zeros((BLOCK_M, BLOCK_K), dtype=ct.float32)
-    for k in range(DSTATE // DSTATE_TILE):
-        c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
-                                 padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
-        b_k = ct.reshape(ct.load(B, (b, col_tile, g, k), shape=(1, BLOCK_K, 1, DSTATE_TILE),
-                                 padding_mode=ZERO, latency=lat), (BLOCK_K, DSTATE_TILE))
-        acc = ct.mma(c_k, ct.transpose(b_k.astype(c_k.dtype)), acc)
+    seqlen = B.shape[1]
+    # A tile of rows or columns wholly past the sequence (the last chunk's) is zeros: its loads
+    # would lie entirely outside the arrays (undefined behaviour), so they are not made.
+    if row_tile * BLOCK_M < seqlen and col_tile * BLOCK_K < seqlen:
+        for k in range(DSTATE // DSTATE_TILE):
+            c_k = ct.reshape(ct.load(C, (b, row_tile, g, k), shape=(1, BLOCK_M, 1, DSTATE_TILE),
+                                     padding_mode=ZERO, latency=lat), (BLOCK_M, DSTATE_TILE))
+            b_k = ct.reshape(ct.load(B, (b, col_tile, g, k), shape=(1, BLOCK_K, 1, DSTATE_TILE),
+                                     padding_mode=ZERO, latency=lat), (BLOCK_K, DSTATE_TILE))
+            acc = ct.mma(c_k, ct.transpose(b_k.astype(c_k.dtype)), acc)
     ct.store(scores, (b, c, g, m, j), ct.reshape(acc, (1, 1, 1, BLOCK_M, BLOCK_K)))
 
 

@@ -232,8 +232,9 @@ def test_on_gpu(launched, dtype):
 
 def test_backward_kernels_take_configs_by_name(launched):
     """``kernel_backward``'s configs reach each backward kernel: other tiles, head splits and
-    hints than the defaults, and the chunk states' gradients in their own kernel
-    (``FUSE_STATES=False``: bwd_chunk_states then runs), give the default's gradients (float32:
+    hints than the defaults, the chunk states' gradients in their own kernel
+    (``FUSE_STATES=False``: bwd_chunk_states then runs) and C B^T from memory
+    (``SCORES_IN_MEMORY``: chunk_scores runs first), give the default's gradients (float32:
     other tile and head splits sum dB, d dA[last], dA and ddt_bias in another order, a few ulps:
     1e-5). An unknown kernel's name is refused."""
     from ops.backward import kernel_backward
@@ -244,12 +245,13 @@ def test_backward_kernels_take_configs_by_name(launched):
                 seq_idx=kw["seq_idx"], **OPTIONS)
     want = kernel_backward(*args, **opts)
     assert "bwd_chunk_states_kernel" not in launched
-    configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, FUSE_STATES=False),
+    configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, FUSE_STATES=False,
+                                       SCORES_IN_MEMORY=True),
                "bwd_pass_state": dict(BLOCK_P=16, BLOCK_N=16, LOAD_LAT=8),
                "bwd_chunk_states": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, LOAD_LAT=8),
                "bwd_chunk_cumsum": dict(BLOCK_H=2, STORE_LAT=8)}
     got = kernel_backward(*args, **opts, configs=configs)
-    assert "bwd_chunk_states_kernel" in launched
+    assert {"bwd_chunk_states_kernel", "chunk_scores_kernel"} <= set(launched)
     assert set(got) == set(want)
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name

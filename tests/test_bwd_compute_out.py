@@ -276,7 +276,9 @@ COMPILE = [pytest.param(dict(), arch, id=f"layer-{arch}") for arch in ("sm_80", 
 COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=False, ngroups=2,
                               config=dict(HEADS_PER_BLOCK=1)), "sm_90", id="odd-fp16-heads1-sm_90"),
             pytest.param(dict(config=dict(INDEX64=True)), "sm_90", id="layer-int64-sm_90"),
-            pytest.param(dict(fused=False), "sm_90", id="layer-unfused-sm_90")]
+            pytest.param(dict(fused=False), "sm_90", id="layer-unfused-sm_90"),
+            pytest.param(dict(config=dict(SCORES_IN_MEMORY=True)), "sm_90",
+                         id="layer-scores-in-memory-sm_90")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)
