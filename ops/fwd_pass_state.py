@@ -35,7 +35,8 @@ Parallelism
     ~1 TB/s. What the autotuner later measured on the H200 (notebook 06): the load latency hint
     LOAD_LAT=8 gives 1.3-1.4x at dstate >= 128, and 64 x 64 tiles at two blocks per
     multiprocessor 1.3-1.7x; beyond that, a faster version needs more memory in flight per block
-    or a parallel chunk-state pass ahead of a light sequential one, as mamba_ssm does.
+    or a parallel chunk-state pass ahead of a light sequential one, as mamba_ssm does (SPLIT,
+    below).
 
 Layouts
     dt and the decay cumsum come from chunk_cumsum as (batch, nheads, nchunks, CHUNK): one
@@ -54,7 +55,15 @@ Variants (``default_config`` / ``search_space``)
     the running state transposed and writes it through ``order=`` (the same memory layout):
     the tensor cores then take B, straight from shared memory, as the first operand and the
     weighted x (computed in registers) as the second; which order the compiler serves better is
-    measured, not guessed. Latency hints (LOAD_LAT on x, B and the initial state; STORE_LAT on
+    measured, not guessed.
+    SPLIT=True takes the work apart in two launches: ``chunk_states_kernel`` forms every chunk's
+    own state at once, one block per (chunk, state tile, head, batch) -- nchunks times the
+    blocks, none waiting on another -- into a float32 (b, c, h, p, n) buffer; then this kernel
+    walks the chunks loading only that tile and dA[last], decaying and adding. The price: the
+    buffer written and read once (the entry states' size in float32), and a pass that is still
+    sequential but does no product. Compiled for sm_90 and sm_100 and tested on the interpreter
+    (every variant against the default); not yet timed.
+    Latency hints (LOAD_LAT on x, B and the initial state; STORE_LAT on
     the entry states), tile sizes and the compiler hint occupancy complete the space (num_ctas > 1 is
     refused: it faulted on sm_90).
 
@@ -138,32 +147,81 @@ def chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, dtype,
     return xt, bt, dA, dt
 
 
-def fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b, c, seqlen,
-               CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, SWAP):
-    """running -> exp2(dA[last]) * running + chunk state; returns (running, running_seq)."""
+def last_sequence(seq_idx, b, c, seqlen, CHUNK):
+    """The sequence id of chunk c's last token (a 0-d int32 tile)."""
+    return ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
+
+
+def write_weights(dA, dt, seq_idx, b, c, seqlen, CHUNK, HAS_SEQ_IDX):
+    """w (CHUNK,) = exp2(dA[last] - dA) dt, each token's weight in chunk c's own state (0 for
+    tokens of another sequence than the last token's), and dA[last]."""
     # Decay from each token to the end of the chunk. The exponent is <= 0 for A <= 0;
     # the clamp makes sure exp2 can never overflow whatever the rounding.
     dA_last = ct.extract(dA, (CHUNK - 1,), shape=(1,)).item()
     w = ct.exp2(ct.minimum(dA_last - dA, 0.0)) * dt
-    chunk_decay = ct.exp2(dA_last)
-
     if HAS_SEQ_IDX:
-        last_token = min((c + 1) * CHUNK, seqlen) - 1
-        seq_last = ct.load(seq_idx, (b, last_token), shape=())
         seq = ct.reshape(ct.load(seq_idx, (b, c), shape=(1, CHUNK), padding_mode=ZERO),
                          (CHUNK,))
-        w = ct.where(seq == seq_last, w, 0.0)       # other sequences don't write
-        chunk_decay = ct.where(seq_last == running_seq, chunk_decay, 0.0)
-        running_seq = seq_last
+        w = ct.where(seq == last_sequence(seq_idx, b, c, seqlen, CHUNK), w, 0.0)  # others don't
+    return w, dA_last
 
+
+def own_state(xt, bt, w, BLOCK_P, BLOCK_N, SWAP):
+    """The chunk's own state sum_t w[t] outer(x[t], B[t]), in float32 (transposed when SWAP)."""
     xw = (xt.astype(ct.float32) * w[:, None]).astype(xt.dtype)
     if SWAP:
         # B^T @ (x * w): a (BLOCK_N, CHUNK) x (CHUNK, BLOCK_P) product; the state is transposed.
-        chunk_state = ct.mma(ct.transpose(bt), xw, ct.zeros((BLOCK_N, BLOCK_P), dtype=ct.float32))
-    else:
-        # (x * w)^T @ B: a (BLOCK_P, CHUNK) x (CHUNK, BLOCK_N) product on the tensor cores.
-        chunk_state = ct.mma(ct.transpose(xw), bt, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
-    return chunk_decay * running + chunk_state, running_seq
+        return ct.mma(ct.transpose(bt), xw, ct.zeros((BLOCK_N, BLOCK_P), dtype=ct.float32))
+    # (x * w)^T @ B: a (BLOCK_P, CHUNK) x (CHUNK, BLOCK_N) product on the tensor cores.
+    return ct.mma(ct.transpose(xw), bt, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
+
+
+def carry(running, running_seq, own, dA_last, seq_idx, b, c, seqlen, CHUNK, HAS_SEQ_IDX):
+    """running -> exp2(dA[last]) * running + the chunk's own state; (running, running_seq). The
+    carried state is dropped when the chunk's last token starts another sequence."""
+    chunk_decay = ct.exp2(dA_last)
+    if HAS_SEQ_IDX:
+        seq_last = last_sequence(seq_idx, b, c, seqlen, CHUNK)
+        chunk_decay = ct.where(seq_last == running_seq, chunk_decay, 0.0)
+        running_seq = seq_last
+    return chunk_decay * running + own, running_seq
+
+
+def fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b, c, seqlen,
+               CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, SWAP):
+    """running -> exp2(dA[last]) * running + chunk state; returns (running, running_seq)."""
+    w, dA_last = write_weights(dA, dt, seq_idx, b, c, seqlen, CHUNK, HAS_SEQ_IDX)
+    own = own_state(xt, bt, w, BLOCK_P, BLOCK_N, SWAP)
+    return carry(running, running_seq, own, dA_last, seq_idx, b, c, seqlen, CHUNK, HAS_SEQ_IDX)
+
+
+@ct.kernel
+def chunk_states_kernel(
+    x: ct.IndexedWithInt64,               # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,               # (batch, seqlen, ngroups, dstate)
+    dt_out: ct.IndexedWithInt64,          # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,       # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    seq_idx: ct.IndexedWithInt64,         # (batch, seqlen) int32, unread if not HAS_SEQ_IDX
+    chunk_states: ct.IndexedWithInt64,    # (batch, nchunks, nheads, headdim, dstate) float32
+    heads_per_group: int,
+    CHUNK: ConstInt,
+    BLOCK_P: ConstInt,
+    BLOCK_N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,
+):
+    """SPLIT's first step: every chunk's own state at once, one block per (chunk, state tile,
+    head, batch): nchunks times the blocks of the pass, none of them waiting on another."""
+    n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
+    n_tiles = n_ptiles * ct.cdiv(B.shape[3], BLOCK_N)
+    tile_id, c = ct.bid(0) % n_tiles, ct.bid(0) // n_tiles
+    pi, ni = tile_id % n_ptiles, tile_id // n_ptiles
+    h, b = ct.bid(1), ct.bid(2)
+    xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, h // heads_per_group, c, pi, ni,
+                                  x.dtype, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+    w, _ = write_weights(dA, dt, seq_idx, b, c, x.shape[1], CHUNK, HAS_SEQ_IDX)
+    own = own_state(xt, bt, w, BLOCK_P, BLOCK_N, False)
+    ct.store(chunk_states, (b, c, h, pi, ni), ct.reshape(own, (1, 1, 1, BLOCK_P, BLOCK_N)))
 
 
 @ct.kernel
@@ -176,6 +234,8 @@ def fwd_pass_state_kernel(
     seq_idx: ct.IndexedWithInt64,         # (batch, seqlen) int32, unread if not HAS_SEQ_IDX
     entry_states: ct.IndexedWithInt64,    # (batch, nchunks, nheads, headdim, dstate)
     final_states: ct.IndexedWithInt64,    # (batch, nheads, headdim, dstate) float32
+    chunk_states: ct.IndexedWithInt64,    # (batch, nchunks, nheads, headdim, dstate) float32,
+                                          # chunk_states_kernel's; unread unless SPLIT
     heads_per_group: int,
     CHUNK: ConstInt,
     BLOCK_P: ConstInt,
@@ -186,6 +246,7 @@ def fwd_pass_state_kernel(
     CHUNKS_PER_ITER: ConstInt,            # 1 or 2 chunks loaded and folded per loop iteration
     LOAD_LAT: ConstInt,                   # latency hint of the x, B, initial state loads; 0 = none
     STORE_LAT: ConstInt,                  # latency hint of the entry state stores; 0 = none
+    SPLIT: ConstBool,                     # the chunks' own states come from chunk_states
 ):
     tile_id = ct.bid(0)
     h = ct.bid(1)
@@ -230,10 +291,20 @@ def fwd_pass_state_kernel(
     for c in range(singles_from, nchunks):
         # The state this chunk starts from. (Tiles past headdim / dstate are dropped.)
         store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP, STORE_LAT)
-        xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
-                                      CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
-        running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
-                                          c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, SWAP)
+        if SPLIT:
+            # A light step: the chunk's own state was formed ahead, by another kernel.
+            own = ct.reshape(ct.load(chunk_states, (b, c, h, pi, ni),
+                                     shape=(1, 1, 1, BLOCK_P, BLOCK_N),
+                                     latency=latency_hint(LOAD_LAT)), (BLOCK_P, BLOCK_N))
+            dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
+            running, running_seq = carry(running, running_seq, own, dA_last, seq_idx, b, c,
+                                         seqlen, CHUNK, HAS_SEQ_IDX)
+        else:
+            xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
+                                          CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+            running, running_seq = fold_chunk(running, running_seq, xt, bt, dA, dt, seq_idx, b,
+                                              c, seqlen, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
+                                              SWAP)
 
     store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP)
 
@@ -253,7 +324,7 @@ def default_config(*, headdim, dstate, dtype=torch.bfloat16, states_dtype=None, 
     (the entry states') defaults to ``dtype``, as ``ops.forward`` stores them."""
     bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype)
     return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
-                occupancy=None, num_ctas=None, num_worker_warps=None)
+                occupancy=None, num_ctas=None, num_worker_warps=None, SPLIT=False)
 
 
 def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
@@ -320,6 +391,9 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     wide = [{**base, "LOAD_LAT": 8}] + [c for c in kept if c.get("occupancy") == 2
                                         and not c["LOAD_LAT"]][:1]
     kept += [{**c, "num_worker_warps": 8} for c in wide]
+    # SPLIT: every chunk's own state formed in parallel first (chunk_states_kernel), then a pass
+    # that only decays and adds; with the long load-latency hint on the pass' reads too.
+    kept += [{**base, "SPLIT": True}, {**base, "SPLIT": True, "LOAD_LAT": 8}]
     return unique(kept + [{**kept[0], "INDEX64": True}])
 
 
@@ -344,22 +418,36 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
         raise ValueError(f"BLOCK_P ({bp}) and BLOCK_N ({bn}) must be powers of two")
     if cfg["CHUNKS_PER_ITER"] not in (1, 2):
         raise ValueError(f"CHUNKS_PER_ITER must be 1 or 2, got {cfg['CHUNKS_PER_ITER']}")
+    if cfg["SPLIT"] and (cfg["SWAP"] or cfg["CHUNKS_PER_ITER"] != 1):
+        raise ValueError("SPLIT takes SWAP=False and CHUNKS_PER_ITER=1 (its pass loads no x or B "
+                         f"to swap or pair), got SWAP={cfg['SWAP']}, "
+                         f"CHUNKS_PER_ITER={cfg['CHUNKS_PER_ITER']}")
 
     entry_states = new_output((batch, nchunks, nheads, headdim, dstate), states_dtype, x.device,
                               poison)
     final_states = new_output((batch, nheads, headdim, dstate), torch.float32, x.device, poison)
     seq_idx = as_int32(seq_idx)
+    seq_arg = seq_idx if seq_idx is not None else dt_out
+    tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
+    before = ()
+    chunk_states = entry_states               # never read without SPLIT
+    if cfg["SPLIT"]:
+        chunk_states = new_output(entry_states.shape, torch.float32, x.device, poison)
+        first = (x, B, dt_out, dA_cumsum, seq_arg, chunk_states, nheads // ngroups, chunk_size,
+                 bp, bn, seq_idx is not None, cfg["LOAD_LAT"])
+        before = (Plan((nchunks * tiles, nheads, batch),
+                       fit_index_width(chunk_states_kernel, first, cfg["INDEX64"]), first,
+                       (chunk_states,)),)
     # Absent optional tensors are replaced by an input the compiled variant never reads.
     args = (x, B, dt_out, dA_cumsum,
             initial_states if initial_states is not None else x,
-            seq_idx if seq_idx is not None else dt_out,
-            entry_states, final_states,
+            seq_arg, entry_states, final_states, chunk_states,
             nheads // ngroups, chunk_size, bp, bn,
             initial_states is not None, seq_idx is not None,
-            bool(cfg["SWAP"]), cfg["CHUNKS_PER_ITER"], cfg["LOAD_LAT"], cfg["STORE_LAT"])
-    grid = (cdiv(headdim, bp) * cdiv(dstate, bn), nheads, batch)
+            bool(cfg["SWAP"]), cfg["CHUNKS_PER_ITER"], cfg["LOAD_LAT"], cfg["STORE_LAT"],
+            bool(cfg["SPLIT"]))
     kernel = with_hints(fit_index_width(fwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
-    return Plan(grid, kernel, args, (entry_states, final_states))
+    return Plan((tiles, nheads, batch), kernel, args, (entry_states, final_states), before)
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,

@@ -261,8 +261,10 @@ def meta_inputs(v):
 
 
 def compiles(plan, arch):
-    """Whether the launch ``plan`` compiles to a non-empty cubin for ``arch``."""
-    return len(compile_cubin(plan.kernel, plan.args, arch)) > 0
+    """Whether the launch ``plan`` and the launches it needs first (its ``before``) compile to
+    non-empty cubins for ``arch``."""
+    return all(compiles(step, arch) for step in plan.before) and \
+        len(compile_cubin(plan.kernel, plan.args, arch)) > 0
 
 
 # Tuning variants at a realistic shape: a Mamba-2 layer of a ~2.7B model (batch 1, 16K tokens, 80

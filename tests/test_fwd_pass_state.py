@@ -53,6 +53,12 @@ STATE_CASES = [
     pytest.param(dict(seqlen=200, headdim=32, dstate=128), 128, {}, id="chunk128-dstate128"),
     pytest.param(dict(seqlen=70, dstate=64), 16, dict(block_p=16, block_n=16),
                  id="small-tiles-many-blocks"),
+    # SPLIT: every chunk's own state formed first, then the light pass; with packed sequences
+    # (the write mask and the dropped carry both move to the two kernels) and initial states
+    pytest.param(dict(seqlen=150, seq_boundaries=[10, 64, 100]), 32,
+                 dict(config=dict(SPLIT=True)), id="split-seq_idx-init"),
+    pytest.param(dict(seqlen=77), 16, dict(config=dict(SPLIT=True, BLOCK_P=16, BLOCK_N=16)),
+                 id="split-ragged-small-tiles"),
 ]
 
 
@@ -136,6 +142,7 @@ KINDS = [
     (128, "latency", lambda c, d: c["LOAD_LAT"] and c["STORE_LAT"], HOPPER),
     (128, "hints", lambda c, d: c["occupancy"], HOPPER),
     (128, "8-worker-warps", lambda c, d: c["num_worker_warps"] == 8, HOPPER),
+    (128, "split", lambda c, d: c["SPLIT"] and not c["LOAD_LAT"], BOTH),
 ]
 
 
