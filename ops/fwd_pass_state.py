@@ -294,7 +294,7 @@ def fwd_pass_state_kernel(
         if SPLIT:
             # A light step: the chunk's own state was formed ahead, by another kernel.
             own = ct.reshape(ct.load(chunk_states, (b, c, h, pi, ni),
-                                     shape=(1, 1, 1, BLOCK_P, BLOCK_N),
+                                     shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
                                      latency=latency_hint(LOAD_LAT)), (BLOCK_P, BLOCK_N))
             dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
             running, running_seq = carry(running, running_seq, own, dA_last, seq_idx, b, c,
