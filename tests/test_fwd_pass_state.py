@@ -59,6 +59,9 @@ STATE_CASES = [
                  dict(config=dict(SPLIT=True)), id="split-seq_idx-init"),
     pytest.param(dict(seqlen=77), 16, dict(config=dict(SPLIT=True, BLOCK_P=16, BLOCK_N=16)),
                  id="split-ragged-small-tiles"),
+    pytest.param(dict(seqlen=50, headdim=24, dstate=40), 16,
+                 dict(config=dict(SPLIT=True, BLOCK_P=16, BLOCK_N=32)),
+                 id="split-odd-sizes-partial-state-tiles"),
 ]
 
 
