@@ -389,20 +389,26 @@ def default_block_t(chunk_size, headdim, dstate):
 # shorter blocks finish the last wave sooner. Measured on an H200 (backward alone, 2.7B training
 # shape 8 x 2K x 80 heads, bf16, chunk 128 / 256): all 80 heads per block (256 blocks) 2.83 / 3.51
 # ms, 40 2.74 / 3.42, 20 (1024 blocks) 2.71 / 3.33, 10 2.73 / 3.31. Each split adds a (b, L, g, n)
-# float32 partial of dB and of dC, so the target stops at ~6 blocks per multiprocessor.
+# float32 partial of dB and of dC, so the target stops at ~6 blocks per multiprocessor, and at
+# MAX_SPLITS partials: at 1 x 4K x 80 heads (64 token tiles), 6 blocks per multiprocessor would
+# take 16 splits, 2 x 16 x 2 MiB of partials, a third of that backward's peak (not yet timed at 4).
 BLOCKS_PER_SM = 6
+MAX_SPLITS = 4
 
 
 def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None):
     """The largest divisor of a group's heads that gives ``BLOCKS_PER_SM`` blocks per
     multiprocessor (all the heads of a group, dB and dC written directly, for long sequences;
-    else partials summed on the host), or one head per block."""
+    else partials summed on the host) in at most ``MAX_SPLITS`` splits of a group; else the
+    most splits allowed (one head per block when a group has few heads)."""
     wanted = BLOCKS_PER_SM * multiprocessors(device)
     per_group = nheads // ngroups
-    for hb in sorted(group_divisors(nheads, ngroups), reverse=True):
+    allowed = [hb for hb in sorted(group_divisors(nheads, ngroups), reverse=True)
+               if per_group // hb <= MAX_SPLITS] or [1]
+    for hb in allowed:
         if blocks_per_head_block * ngroups * (per_group // hb) >= wanted:
             return hb
-    return 1
+    return allowed[-1]
 
 
 def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
