@@ -43,7 +43,8 @@ and ``tests/test_backward_kernels.py`` checks them)
         dS 84 MB (168), stored in bf16 for bf16 inputs (the products round it so anyway)
         entry states 84 MB (168), freed after compute_out's token launch
         dentry 168 MB (336), float32, freed after the pass, before dx exists
-        dB, dC head-split partials: 4 splits x 2 x 8 MB (``bwd_compute_out.BLOCKS_PER_SM``)
+        dB, dC head-split partials: 4 splits x 2 x 8 MB (``bwd_compute_out.BLOCKS_PER_SM``, at
+        most ``MAX_SPLITS``)
         dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5 MB; dD's partials 5 MB
         dy: dout itself (without z); y not computed without z.
     Measured on an H200 as a training step's peak (``tests/benchmark/fwd_bwd.py``, the forward's
