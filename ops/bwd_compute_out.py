@@ -34,7 +34,9 @@ Two kernels
         tokens l (the row tile: dC and the row sums of dG G, summed over the column tiles
         j <= t), plus the carried-in terms of its rows. Every (BLOCK_T, BLOCK_T) tile of C B^T,
         dG, the decays and G is formed in registers and never leaves the chip (the forward's
-        way); the diagonal pair is formed once per role. A block's work is the same for every
+        way; with SCORES_IN_MEMORY the C B^T tiles are read instead, from the buffer
+        ``ops/chunk_scores.py`` fills once per chunk and group); the diagonal pair is formed
+        once per role. A block's work is the same for every
         tile (n - t column steps + t + 1 row steps, n tiles per chunk), so blocks are balanced.
         All outputs of a token tile are complete in one block: ddA's row sums, column sums and
         carried term are added in registers, nothing is written twice.
@@ -516,7 +518,8 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
 def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
                          poison=False, config=None, launches="both", dS=None, D=None,
                          dx_dtype=torch.float32):
-    """The launch (an ``ops.launch.Plan``): its ``before`` is the dentry kernel's launch; its
+    """The launch (an ``ops.launch.Plan``): its ``before`` holds the dentry kernel's launch
+    (unless ``launches="tokens"``) and, with SCORES_IN_MEMORY, the chunk_scores launch; its
     outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum,
     ddA_tiles, dD's partials and dentry. ``config``: a dict from ``search_space`` (or part of
     one; missing keys take ``default_config``'s values for this shape).

@@ -343,10 +343,11 @@ def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
 
 
 def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
-    """Variants worth timing (about 20-40 for realistic shapes; the default comes first).
+    """Variants worth timing (about 25-45 for realistic shapes; the default comes first).
 
     The block is latency-bound on its chunk-by-chunk loads with few blocks in flight, so the
-    space varies what is in flight per block (CHUNKS_PER_ITER, latency hints), the number of
+    space varies the work's split (SPLIT: the chunks' own states in parallel first), what is in
+    flight per block (CHUNKS_PER_ITER, latency hints), the number of
     blocks (headdim x dstate tiles of 32..64 x 64..128), the operand order of the product
     (SWAP). Hints are tried on the default and on the first two-chunk config that fits. The
     occupancies tried depend on the multiprocessor count of the current GPU (an H200's 132

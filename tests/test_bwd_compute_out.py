@@ -89,6 +89,13 @@ CASES = [
                  dict(BLOCK_T=16, HEADS_PER_BLOCK=2, ENTRY_BLOCK_N=16),
                  id="chunk64-tiles16-seq-in-and-at-chunks-whole-group"),
     pytest.param(dict(seqlen=1, chunk=16), {}, id="L1"),
+    # C B^T from memory: several tiles per chunk (row and column tiles differ), the whole group
+    # of two heads in a block, tiles wholly past the sequence in the last chunk
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, SCORES_IN_MEMORY=True),
+                 id="scores-in-memory-tiles16-whole-group"),
+    pytest.param(dict(seqlen=77), dict(BLOCK_T=16, SCORES_IN_MEMORY=True),
+                 id="scores-in-memory-packed-ragged-head-partials"),
 ]
 
 

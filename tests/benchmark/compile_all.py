@@ -33,7 +33,7 @@ os.environ.setdefault("CUDA_TILE_CACHE_DIR", "off")   # measure compiles, not ca
 import torch
 
 from ops.forward import KERNELS
-from ops.tools.plans import SHAPE, representative_plan
+from ops.tools.plans import SHAPE, meta_plan
 
 # ops.tools.plans' representative layer, in the keys the kernel modules' config functions take.
 LAYER = dict({k: v for k, v in SHAPE.items() if k not in ("chunk", "dstate")},
@@ -46,10 +46,12 @@ def shape(dstate, **overrides):
 
 
 def plan(name, shp, config):
-    """(kernel, args) of one launch of kernel ``name`` for shape ``shp`` with ``config``: the
+    """The ``Plan`` of one launch of kernel ``name`` for shape ``shp`` with ``config``: the
     representative launch of ``ops.tools.sass`` (the same layer, as ``ops.forward`` calls it) at
-    ``shp``'s dstate and dtype."""
-    return representative_plan(name, shp["dtype"], dstate=shp["dstate"], config=config)
+    ``shp``'s dstate and dtype, with the launches it needs first (its ``before``)."""
+    layer = {k: v for k, v in SHAPE.items() if k != "chunk"}
+    layer.update(chunk_size=SHAPE["chunk"], dstate=shp["dstate"])
+    return meta_plan(name, dtype=shp["dtype"], **layer, config=config)
 
 
 def _sass():
@@ -68,7 +70,11 @@ def compile_one(name, shp, config, arch, generic):
     row = dict(kernel=name, dstate=shp["dstate"], arch=arch, config=json.dumps(config))
     start = time.perf_counter()
     try:
-        kernel, args = plan(name, shp, config)
+        launch = plan(name, shp, config)
+        kernel, args = launch.kernel, launch.args
+        from ops.tools.aot import compile_cubin
+        for step in launch.before:       # a config's first launches (chunk_scores, chunk states)
+            compile_cubin(step.kernel, step.args, arch, specialize=not generic)
         sass = _sass()
         if sass is not None:
             report = sass.sass_report(kernel, args, arch, specialize=not generic)
@@ -76,7 +82,6 @@ def compile_one(name, shp, config, arch, generic):
                        spill_loads=report.spill_loads, spill_stores=report.spill_stores,
                        shared=report.shared)
         else:
-            from ops.tools.aot import compile_cubin
             compile_cubin(kernel, args, arch, specialize=not generic)
         row["status"] = "ok"
     except Exception as e:   # report it and go on: the point is to list every failure
