@@ -23,7 +23,7 @@ from reference.common import LOG2E
 from reference.problems import make_problem
 from reference.validate import rel_err
 
-from .kernel_helpers import DEVICES
+from .kernel_helpers import DEVICES, label
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-5}
 NAMES = ("dx", "dB", "ddt_out", "ddA")
@@ -121,9 +121,8 @@ def variant_cases():
     assert len(space) < 20
     assert {c["HEADS_PER_BLOCK"] for c in space} >= {1, 4}, "per-head blocks and whole groups"
     assert {c["BLOCK_T"] for c in space} == {32, 64}
-    label = lambda c: "-".join(f"{k}={v}" for k, v in c.items() if default[k] != v) or "default"
-    return [pytest.param(name, cfg, id=f"{name}-{label(cfg)}") for name in ("fp32", "bf16")
-            for cfg in space[1:]]
+    return [pytest.param(name, cfg, id=f"{name}-{label(cfg, default)}")
+            for name in ("fp32", "bf16") for cfg in space[1:]]
 
 
 @pytest.mark.parametrize("device", DEVICES)

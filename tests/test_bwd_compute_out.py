@@ -33,7 +33,7 @@ from reference.common import LOG2E
 from reference.problems import make_problem
 from reference.validate import rel_err
 
-from .kernel_helpers import DEVICES
+from .kernel_helpers import DEVICES, label
 
 NAMES = ("dx", "dB", "dC", "ddt_out", "ddA_cumsum", "dentry")
 
@@ -211,9 +211,8 @@ def variant_cases():
     space = mod.search_space(**VARIANT_SHAPE)
     assert space[0] == default, "the default config comes first in the search space"
     assert {c["HEADS_PER_BLOCK"] for c in space} == {1, 2}, "both ways of summing dB and dC"
-    label = lambda c: "-".join(f"{k}={v}" for k, v in c.items() if default[k] != v) or "default"
-    return [pytest.param(name, cfg, id=f"{name}-{label(cfg)}") for name in ("fp32", "bf16")
-            for cfg in space[1:]]
+    return [pytest.param(name, cfg, id=f"{name}-{label(cfg, default)}")
+            for name in ("fp32", "bf16") for cfg in space[1:]]
 
 
 @pytest.mark.parametrize("device", DEVICES)

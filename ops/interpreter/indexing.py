@@ -203,19 +203,27 @@ def _write(op, array, idx, data):
 # gather / scatter
 # ---------------------------------------------------------------------------
 
-@emulates("gather")
-def gather(array, indices, /, *, mask=None, padding_value=0, check_bounds=True, latency=None):
-    op = "ct.gather"
+def _indexed_operand(op, array, indices, value, what, mask, check_bounds, latency):
+    """What gather and scatter check and prepare alike: (array, the index tensors, `value` (the
+    padding or the stored value) cast to the array's dtype and broadcast to the index shape,
+    the active lanes)."""
     array = _require_array(op, array)
     idx, shape = _index_items(op, array, indices)
     check_bounds = _check_bounds_flag(op, check_bounds)
     _check_hints(op, latency)
-    pad = _cast_to_array(op, "padding_value", padding_value, array.dtype)
-    if not _broadcastable_to(pad.shape, shape):
-        raise KernelTypeError(f"{op}: `padding_value` shape {tuple(pad.shape)} is not "
+    data = _cast_to_array(op, what, value, array.dtype)
+    if not _broadcastable_to(data.shape, shape):
+        raise KernelTypeError(f"{op}: `{what}` shape {tuple(data.shape)} is not "
                               f"broadcastable to the index shape {shape}")
     active = _active(op, array, idx, shape, mask, check_bounds)
-    result = pad.expand(shape).clone()
+    return array, idx, data.expand(shape), active
+
+
+@emulates("gather")
+def gather(array, indices, /, *, mask=None, padding_value=0, check_bounds=True, latency=None):
+    array, idx, pad, active = _indexed_operand("ct.gather", array, indices, padding_value,
+                                               "padding_value", mask, check_bounds, latency)
+    result = pad.clone()
     result[active] = array._t[tuple(t[active] for t in idx)]
     return Tile(result, array.dtype)
 
@@ -223,16 +231,9 @@ def gather(array, indices, /, *, mask=None, padding_value=0, check_bounds=True, 
 @emulates("scatter")
 def scatter(array, indices, value, /, *, mask=None, check_bounds=True, latency=None):
     op = "ct.scatter"
-    array = _require_array(op, array)
-    idx, shape = _index_items(op, array, indices)
-    check_bounds = _check_bounds_flag(op, check_bounds)
-    _check_hints(op, latency)
-    data = _cast_to_array(op, "value", value, array.dtype)
-    if not _broadcastable_to(data.shape, shape):
-        raise KernelTypeError(f"{op}: `value` shape {tuple(data.shape)} is not broadcastable "
-                              f"to the index shape {shape}")
-    active = _active(op, array, idx, shape, mask, check_bounds)
-    _write(op, array, [t[active] for t in idx], data.expand(shape)[active])
+    array, idx, data, active = _indexed_operand(op, array, indices, value, "value", mask,
+                                                check_bounds, latency)
+    _write(op, array, [t[active] for t in idx], data[active])
 
 
 # ---------------------------------------------------------------------------
