@@ -82,6 +82,7 @@ from .bwd_chunk_states import default_config as chunk_states_config
 from .bwd_compute_out import bwd_compute_out_plan
 from .bwd_compute_out import default_config as compute_out_config
 from .bwd_pass_state import bwd_pass_state
+from .compute_chunk import backward_chunk
 from .configs import resolve_config
 from .launch import run
 from .utils import as_int32
@@ -152,6 +153,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
     token_parts = {"ddA_tiles": chunked // out_cfg["BLOCK_T"],
                    "dD partials": batch * tiles * nheads * headdim * f32}
+    # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY)
+    scores = ({"C B^T scores": batch * nchunks * ngroups * chunk_size ** 2 * f32}
+              if out_cfg["SCORES_IN_MEMORY"] else {})
     dx = {"dx (x's dtype)": tokens * e}                       # written once, complete
     steps = {
         "recompute": recompute,
@@ -163,7 +167,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
                        "d dA[last] partials": chunked // chunk_size * 2},
         "compute_out's tokens": {**base, **kept, **dy, **dinit, **last, "entry states": states * se,
                                  "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
-                                 "dB, dC partials": 2 * out_splits * groups, **token_parts},
+                                 "dB, dC partials": 2 * out_splits * groups, **token_parts,
+                                 **scores},
         "the split partials summed": {**base, **kept, **dinit, **last, "dS": states * ds, **dx,
                                       "ddt_out, ddA": 2 * chunked,
                                       "dB, dC partials": 2 * out_splits * groups,
@@ -415,10 +420,11 @@ def backward_op(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt:
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
     names = [n for n, w in zip(INPUTS, wanted) if w]
-    g = kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
-                        dt_limit=(dt_min, dt_max), states_dtype=state_dtype or x.dtype,
-                        wanted=names, input_dtypes=True)
+    # the caller's chunk, unless MAMBA2_CUTILE_COMPUTE_CHUNK forces one (ops/compute_chunk.py)
+    g = kernel_backward(dout, dfinal, x, dt, A, B, C, backward_chunk(chunk_size), D=D, z=z,
+                        dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
+                        dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+                        states_dtype=state_dtype or x.dtype, wanted=names, input_dtypes=True)
     return [g["d" + n] if n in names else x.new_empty((0,), dtype=torch.float32)
             for n in INPUTS]
 

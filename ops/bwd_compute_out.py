@@ -413,15 +413,32 @@ def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=No
     return allowed[-1]
 
 
+def scores_in_memory(dstate):
+    """Whether C B^T is read from memory by default: ``ops/chunk_scores.py`` forms it once per
+    chunk and group before the token kernel, and every head of the group reads it, instead of
+    each head forming it again. Measured on an H200, a training step's scan (forward + backward,
+    autograd, bf16, off and on side by side in one run, best of two medians, ms,
+    ``tests/benchmark/results/bwd_scores_in_memory_h200.csv``): at dstate 128 on is faster at
+    the shapes whose step is not host-bound (2.7B training 8 x 2K x 80 heads 3.37 -> 3.17 at
+    chunk 128, 3.72 -> 3.47 at 256; 8B hybrid 2 x 8K x 128, 8 groups 4.87 -> 4.77 / 5.96 ->
+    5.80; 1 x 64K x 80 12.42 -> 11.85 / 15.27 -> 14.29; at 130M training, where two rounds
+    differ by up to 15%, 3.11 -> 2.83 / 3.06 -> 3.16), at dstate 64 slower (1 x 64K x 80: 9.21
+    -> 9.89 / 11.89 -> 12.62: forming C B^T costs half as much there, and reading it back does
+    not pay). At dstate 256 the backward alone (``results/bwd_compute_out_variants_h200.csv``)
+    was within 3% either way, so it stays off there; smaller dstates are untimed and kept off,
+    as at 64. The buffer, (b, chunks, g, CHUNK, CHUNK) float32, lives while the token kernel
+    runs (``ops/backward.py``'s memory accounting counts it)."""
+    return tile_size(dstate) == 128
+
+
 def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
                    **_):
     """``default_block_t``'s tiles, ``default_heads_per_block`` (seqlen None: a long sequence,
     all heads of a group per block), the dentry kernel's tiles of the whole (padded) headdim and
     up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
     FUSE_STATES: ``ops/backward.py`` lets the token kernel do ``bwd_chunk_states``' work too
-    (False: it launches that kernel after this one). SCORES_IN_MEMORY off: the token kernel forms
-    each head's C B^T tiles itself (on: ``ops/chunk_scores.py`` forms them once per chunk and
-    group beforehand, and every head reads them; not yet timed)."""
+    (False: it launches that kernel after this one). SCORES_IN_MEMORY where dstate's tile is 128
+    (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
     bt = default_block_t(chunk_size, headdim, dstate)
     if seqlen is None:
         hb = nheads // ngroups
@@ -431,7 +448,8 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                                      blocks_per_head_block=batch * tiles)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
-                num_worker_warps=WORKER_WARPS, FUSE_STATES=True, SCORES_IN_MEMORY=False)
+                num_worker_warps=WORKER_WARPS, FUSE_STATES=True,
+                SCORES_IN_MEMORY=scores_in_memory(dstate))
 
 
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
@@ -439,7 +457,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
     multiprocessor), smaller dentry tiles, the chunk states' gradients in a kernel of their
-    own, and C B^T read from memory (alone and with one head per block)."""
+    own, and C B^T the other way than the default (read from memory or formed per head; alone and
+    with one head per block)."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]
@@ -454,9 +473,11 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
                     "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
     configs.append({**base, "FUSE_STATES": False})
-    # C B^T from memory, once per group (ops/chunk_scores.py), alone and with more, smaller blocks
-    configs += [{**base, "SCORES_IN_MEMORY": True},
-                {**base, "SCORES_IN_MEMORY": True, "HEADS_PER_BLOCK": 1}]
+    # C B^T the other way (from memory, once per group: ops/chunk_scores.py; or formed per head),
+    # alone and with more, smaller blocks
+    other = not base["SCORES_IN_MEMORY"]
+    configs += [{**base, "SCORES_IN_MEMORY": other},
+                {**base, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
     return unique(configs)
 
 

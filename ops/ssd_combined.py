@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from . import autotune, replay
+from . import autotune, compute_chunk, replay
 from .checks import check_chunk_size, check_sizes
 
 BACKENDS = ("auto", "reference", "interpret", "cutile")
@@ -130,7 +130,8 @@ def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend
     """(the replay key of an eager call, the autotuner it was made under), or (None, None)
     where the call is not replayed (ops.replay): a search for configs may run, or the outputs
     are poisoned (tests), or the options are of unusual types (they are checked afresh). The
-    autotuning mode is part of the key: switching it changes the configs."""
+    autotuning mode and the compute chunk's (ops/compute_chunk.py) are part of the key:
+    switching either changes the launches."""
     forward = sys.modules.get(f"{__package__}.forward")   # None until a kernel backend has run
     if (forward is None or forward.POISON_OUTPUTS or type(dt_limit) is not tuple
             or not all(type(v) in (int, float) for v in dt_limit)):
@@ -138,7 +139,9 @@ def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend
     how = autotune.mode()                       # the configs a call takes depend on it
     if how == "search":
         return None, None
-    options = (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit, state_dtype, backend, how)
+    # the chunk the kernels compute with depends on compute_chunk's mode, as the configs on `how`
+    options = (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit, state_dtype, backend,
+               compute_chunk.mode(), how)
     return replay.call_key(tensors, options), autotune.tuner()
 
 

@@ -678,3 +678,35 @@ def test_models_rejects_what_the_models_set(capsys):
     assert a.models == ["8b-hybrid-layer", "mamba2-130m-train"]
     assert a.impl_chunks == {"cutile": [128], "triton": [128, 256], "tilegym": [64]}
     assert a.passthrough == ["--impls", "cutile,triton"]
+
+
+def test_config_sweep_dry_run(tmp_path, capsys):
+    """config_sweep on the CPU (the interpreter): the defaults and each variant, one row each,
+    outputs compared with the default's (C B^T read from memory computes the same sums: within
+    float32 rounding of theirs); a variant with an unknown key is reported and has no row."""
+    from tests.benchmark import config_sweep
+    out = str(tmp_path / "sweep.csv")
+    rows = config_sweep.main(["--device", "cpu", "--shapes", "1x64x4:16:2:16", "--chunks", "32",
+                              "--what", "step", "--rounds", "1", "--out", out,
+                              "--variant", "bwd_compute_out:SCORES_IN_MEMORY=true,BLOCK_T=16",
+                              "--variant", "fwd_pass_state:NOT_A_KEY=3"])
+    assert [r["variant"] for r in rows] == ["default",
+                                            "bwd_compute_out:SCORES_IN_MEMORY=true,BLOCK_T=16"]
+    assert rows[0]["max_rel_diff"] == 0 and 0 <= rows[1]["max_rel_diff"] < 1e-5
+    assert all(r["ms"] > 0 and r["what"] == "step" and r["dstate"] == 16 for r in rows)
+    printed = capsys.readouterr().out
+    assert "fwd_pass_state:NOT_A_KEY=3: FAILED ValueError: unknown config keys" in printed
+    assert [r["variant"] for r in read_csv(out)] == [r["variant"] for r in rows]
+
+
+def test_config_sweep_checks_its_arguments(capsys):
+    from tests.benchmark import config_sweep
+    for argv, expected in ((["--variant", "compute_out"], "expected KERNEL:KEY=VALUE"),
+                           (["--variant", "no_kernel:A=1"], "expected KERNEL:KEY=VALUE"),
+                           (["--variant", "compute_out:BLOCK_M"], "is not KEY=VALUE"),
+                           (["--variant", "compute_out:BLOCK_M=big"], "expected an int"),
+                           (["--shapes", "1x2"], "expected a model name"),
+                           (["--device", "cpu", "--rounds", "0"], "--rounds must be at least 1")):
+        with pytest.raises(SystemExit):
+            config_sweep.main(argv)
+        assert expected in capsys.readouterr().err, argv

@@ -211,8 +211,19 @@ def variant_cases():
     space = mod.search_space(**VARIANT_SHAPE)
     assert space[0] == default, "the default config comes first in the search space"
     assert {c["HEADS_PER_BLOCK"] for c in space} == {1, 2}, "both ways of summing dB and dC"
+    assert {c["SCORES_IN_MEMORY"] for c in space} == {False, True}, "both ways to get C B^T"
     return [pytest.param(name, cfg, id=f"{name}-{label(cfg, default)}")
             for name in ("fp32", "bf16") for cfg in space[1:]]
+
+
+def test_scores_in_memory_by_default_where_it_was_faster():
+    """C B^T is read from memory by default where dstate's tile is 128 (faster on the H200 at
+    dstate 128, slower at 64, level at 256: ``mod.scores_in_memory``), and the search space
+    holds the other way at every dstate."""
+    for dstate, want in ((16, False), (64, False), (96, True), (128, True), (256, False)):
+        shape = dict(VARIANT_SHAPE, dstate=dstate)
+        assert mod.default_config(**shape)["SCORES_IN_MEMORY"] is want, dstate
+        assert {c["SCORES_IN_MEMORY"] for c in mod.search_space(**shape)} == {False, True}
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -22,7 +22,11 @@ Implementations (``--impls``; one that is not installed is recorded as such and 
 Every implementation gets the same call of a Mamba-2 layer -- x, dt, A, B, C, D, dt_bias,
 dt_softplus, no z -- on the same seeded random inputs, generated on the device (never zeros).
 
-Measured per (implementation, L, dstate, chunk), one CSV row each:
+Measured per (implementation, L, dstate, chunk), one CSV row each (chunk: the caller's, as a
+model passes it):
+    compute_chunk the chunk the implementation computed with: the caller's, but for this project's
+                  kernels where ``ops/compute_chunk.py`` picks another (on the H200, 128 for a
+                  caller's 256 in bf16; MAMBA2_CUTILE_COMPUTE_CHUNK=caller times the caller's)
     ms            median of ``triton.testing.do_bench`` (which flushes the L2 cache between calls),
                   after a first call that compiles and autotunes and is not timed. Without triton: a
                   median over CUDA events; with ``--device cpu``: a median over time.perf_counter
@@ -32,7 +36,8 @@ Measured per (implementation, L, dstate, chunk), one CSV row each:
                   the baseline named in rel_err_vs: triton at chunk 256 where it ran, else cutile
                   (``--baseline``; without 256 among its chunks, an implementation's largest chunk
                   stands in); the baseline's own row says "(baseline)"
-    flops, bytes  the useful work and the least memory traffic of the call (``work_counts``)
+    flops, bytes  the useful work (at compute_chunk) and the least memory traffic of the call
+                  (``work_counts``)
     tflops, gbps  flops / time and bytes / time
     roofline_fraction  max(flops / peak_tflops, bytes / peak_gbps) / time: 1.0 is the hardware limit.
                   The peaks are measured at the start of the run on this device: a bf16 8192^3 matmul
@@ -96,7 +101,7 @@ STARTUP_TIMEOUT = 300        # seconds a worker may take to start (import torch,
 PASSED_ENV = ("MAMBA2_CUTILE_", "TILEGYM_", "TRITON_", "CUDA_VISIBLE_DEVICES")
 
 CSV_COLUMNS = [
-    "impl", "seqlen", "dstate", "chunk", "status", "ms", "best_chunk", "tflops", "gbps",
+    "impl", "seqlen", "dstate", "chunk", "compute_chunk", "status", "ms", "best_chunk", "tflops", "gbps",
     "roofline_fraction", "roofline_ms", "rel_err", "rel_err_vs", "peak_mem_mb", "first_call_s",
     "task_s", "finite", "batch", "nheads", "headdim", "ngroups", "dtype", "flops", "bytes",
     "peak_tflops", "peak_gbps", "timer", "warmup_ms", "rep_ms", "device", "driver", "torch",
@@ -189,6 +194,15 @@ def build(impl, inp, chunk):
     if impl == "_crash":
         return _crash_impl(inp, chunk)
     raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)})")
+
+
+def computed_chunk(impl, inp, chunk):
+    """The chunk ``impl`` computes with for the caller's ``chunk``: this project's kernels may
+    take another (ops/compute_chunk.py); the other implementations take the caller's."""
+    if impl in ("cutile", "cutile_default", "interpret"):
+        from ops.compute_chunk import forward_chunk
+        return forward_chunk(chunk, inp["x"], inp["B"])
+    return chunk
 
 
 _SIMULATED_BROKEN_CONTEXT = False
@@ -347,6 +361,7 @@ def run_task(torch, dev, task, spec, not_installed):
     fn = out = None
     try:
         fn = build(impl, inp, task["chunk"])
+        row["compute_chunk"] = computed_chunk(impl, inp, task["chunk"])
     except ImportError as e:
         row["status"] = not_installed[impl] = f"not installed ({e.name or e})"
         return row
@@ -658,7 +673,7 @@ class Run:
         row.update(self.meta, **self.peaks,
                    warmup_ms=self.args.warmup_ms, rep_ms=self.args.rep_ms)
         flops, nbytes = work_counts(row["batch"], row["seqlen"], row["nheads"], row["headdim"], row["ngroups"],
-                                    row["dstate"], row["chunk"], row["dtype"])
+                                    row["dstate"], row.get("compute_chunk") or row["chunk"], row["dtype"])
         row.update(flops=flops, bytes=nbytes)
         if report.is_ok(row):
             row.update(tflops=flops / row["ms"] / 1e9, gbps=nbytes / row["ms"] / 1e6)

@@ -16,7 +16,10 @@ the same output gradient for every implementation:
               out that elementwise part), at ``--tilegym-chunk``; only where the sequence length
               is a multiple of its chunk
 
-Per implementation and chunk:
+Per implementation and chunk (the caller's, as a model passes it):
+    fwd_chunk, bwd_chunk  the chunks the forward and the backward computed with: the caller's,
+                 but for this project's forward where ``ops/compute_chunk.py`` picks another
+                 (MAMBA2_CUTILE_COMPUTE_CHUNK=caller: the caller's)
     fwd_bwd_ms   median of ``triton.testing.do_bench`` of one step: the forward with x, dt, A, B,
                  C, D and dt_bias requiring gradients, then ``out.backward(dout)``
     fwd_ms       the forward alone, without gradients
@@ -126,8 +129,18 @@ def measure(impl, chunk, inputs, dout, timed=True):
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     fwd_bwd = do_bench(step, warmup=50, rep=300)
     fwd = do_bench(forward, warmup=50, rep=200)
-    return dict(impl=impl, chunk=chunk, fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first,
-                peak_mib=peak), g
+    return dict(impl=impl, chunk=chunk, **computed_chunks(impl, chunk, inputs),
+                fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first, peak_mib=peak), g
+
+
+def computed_chunks(impl, chunk, inputs):
+    """The chunks the forward and the backward computed with (ops/compute_chunk.py: this
+    project's forward may take another than the caller's; the others take the caller's)."""
+    if impl != "cutile":
+        return dict(fwd_chunk=chunk, bwd_chunk=chunk)
+    from ops.compute_chunk import backward_chunk, forward_chunk
+    return dict(fwd_chunk=forward_chunk(chunk, inputs["x"], inputs["B"]),
+                bwd_chunk=backward_chunk(chunk))
 
 
 def _runs(shape, impls, chunks, tilegym_chunk):
@@ -238,7 +251,9 @@ def main(argv=None):
                           for k in LEAVES})
             rows.append(row)
             diffs = [v for k in LEAVES if (v := row[f"grad_diff_{k}"]) == v]    # not NaN
-            print(f"{name:24s} {impl:7s} chunk {chunk:3d}: fwd+bwd {row['fwd_bwd_ms']:7.3f} ms "
+            computed = ("" if (row["fwd_chunk"], row["bwd_chunk"]) == (chunk, chunk) else
+                        f" (computed at {row['fwd_chunk']} / {row['bwd_chunk']})")
+            print(f"{name:24s} {impl:7s} chunk {chunk:3d}{computed}: fwd+bwd {row['fwd_bwd_ms']:7.3f} ms "
                   f"({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
                   f"{row['first_s']:.1f} s, peak +{row['peak_mib']:.0f} MiB, grad diff <= "
                   f"{max(diffs) if diffs else nan:.1e}", flush=True)

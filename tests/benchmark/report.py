@@ -17,7 +17,8 @@ SUBJECT = "cutile"                      # the implementation the tables and summ
 COLUMN_ORDER = ("triton", "tilegym", "cutile_default", "cutile", "reference", "interpret")
 SHAPE_KEYS = ("batch", "nheads", "headdim", "ngroups", "dtype", "seqlen", "dstate")
 
-INT_COLUMNS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk", "flops", "bytes"}
+INT_COLUMNS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk", "compute_chunk",
+               "flops", "bytes"}
 FLOAT_COLUMNS = {"ms", "tflops", "gbps", "roofline_ms", "roofline_fraction", "rel_err", "peak_mem_mb",
                  "first_call_s", "task_s", "peak_tflops", "peak_gbps", "warmup_ms", "rep_ms"}
 BOOL_COLUMNS = {"finite", "best_chunk"}

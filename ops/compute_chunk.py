@@ -1,0 +1,113 @@
+"""The chunk the kernels compute with, which may differ from the caller's ``chunk_size``.
+
+The chunked algorithm computes the same function at every chunk size: only the order of the
+sums differs, so only rounding (measured below). The caller's chunk is a model's config value
+(Mamba-2's configs say 256), chosen for mamba_ssm's Triton kernels, and on the H200 this
+project's forward is faster at 128. So by default ("auto") the forward kernels compute with the
+chunk ``AUTO_RULES`` names for the call's shape and device, else the caller's; the backward
+keeps the caller's (at 128 its peak memory is 19-79% higher: ``results/fwd_bwd_h200.csv``).
+
+    MAMBA2_CUTILE_COMPUTE_CHUNK=auto     the default, as above
+    MAMBA2_CUTILE_COMPUTE_CHUNK=caller   the caller's chunk exactly, forward and backward
+    MAMBA2_CUTILE_COMPUTE_CHUNK=128      this chunk (a power of two in [16, 256]) for every
+                                         call, forward and backward
+
+What "auto" rests on: the forward alone on the H200, bf16, headdim 64, D, dt_bias, softplus,
+ms at chunk 256 -> 128, each the median of ``triton.testing.do_bench`` (CSVs in
+``tests/benchmark/results/``). Mamba-2 130M training 16 x 2K x 24 heads 0.271 -> 0.240, 2.7B
+training 8 x 2K x 80 0.423 -> 0.379, 2.7B prefill 1 x 4K x 80 0.137 -> 0.124, 8B hybrid 2 x 8K x
+128 heads, 8 groups 0.687 -> 0.599 (``models_h200.csv``); again in another run 0.272 -> 0.257,
+0.422 -> 0.383, -, 0.682 -> 0.599, and 1 x 80 heads: 16K dstate 256 0.638 -> 0.581, 64K
+dstate 128 1.809 -> 1.569, 64K dstate 256 2.463 -> 2.250, 256K dstate 128 7.272 -> 6.412
+(``fwd_pass_state_split_h200.csv``, the defaults' rows); 16K dstate 64 0.438 -> 0.378
+(``chunk_sweep_h200.csv``); 16K dstate 64 / 128 / 256 0.441 -> 0.378, 0.463 -> 0.411, 0.635
+-> 0.579, 64K 1.674 -> 1.463, 1.797 -> 1.558, 2.436 -> 2.233 (``fwd_bwd_h200.csv``'s fwd_ms).
+At 1 x 4K x 80 and dstate 64 nothing timed it reliably (that last harness is not made for a
+0.13 ms forward: it timed the same 4K shape at 0.135 and 0.222 ms in one run), so at dstate 64
+"auto" starts at 16K tokens. Outside what was measured
+(another GPU, dtype, headdim over 64, dstate over 256 or under 33, shorter sequences, a
+caller's chunk other than 256, the CPU interpreter) "auto" keeps the caller's chunk.
+
+The rounding difference, measured through the interpreter (``tests/test_compute_chunk.py``: 1 x
+1024 tokens, 2 heads of 64 x 64, D, dt_bias, softplus) as the output's relative distance (in
+norm) from the float64 reference at the caller's chunk 256: float32 inputs 5.1e-7 at chunk 128,
+9.4e-7 at 256 (9.2e-7 from each other); bf16 2.34e-3 and 2.33e-3 (the output's own rounding to
+bf16; 6.6e-4 from each other). The GPU test there checks the same bound on the GPU at a Mamba-2
+layer's shape. So a change of chunk is a change of rounding only, no larger than the rounding
+at either chunk.
+"""
+import functools
+import os
+
+import torch
+
+from .checks import tile_size
+
+ENV = "MAMBA2_CUTILE_COMPUTE_CHUNK"
+
+# (compute capability, x's dtype, caller's chunk, largest headdim, dstate's tiles, least seqlen)
+# -> the chunk to compute with. Each from the H200 measurements in the docstring.
+AUTO_RULES = [
+    dict(capability=(9, 0), dtype=torch.bfloat16, caller=256, max_headdim=64,
+         dstate_tiles=(128, 256), min_seqlen=2048, chunk=128),
+    dict(capability=(9, 0), dtype=torch.bfloat16, caller=256, max_headdim=64,
+         dstate_tiles=(64,), min_seqlen=16384, chunk=128),
+]
+
+
+def mode():
+    """"auto", "caller" or an int chunk, from ``MAMBA2_CUTILE_COMPUTE_CHUNK`` (default auto);
+    anything else is refused, naming the variable."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value == "caller":
+        return "caller"
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = None
+    if chunk is None or chunk < 16 or chunk > 256 or chunk & (chunk - 1):
+        raise ValueError(f"{ENV} must be 'auto', 'caller' or a power of two in [16, 256], got "
+                         f"{os.environ[ENV]!r}")
+    return chunk
+
+
+def _capability(device):
+    if device.type != "cuda":
+        return None
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index):
+    return torch.cuda.get_device_capability(index)
+
+
+def auto_chunk(chunk_size, *, capability, dtype, headdim, dstate, seqlen):
+    """The chunk ``AUTO_RULES`` give for this call, else ``chunk_size``."""
+    for rule in AUTO_RULES:
+        if (capability == rule["capability"] and dtype == rule["dtype"]
+                and chunk_size == rule["caller"] and headdim <= rule["max_headdim"]
+                and tile_size(dstate) in rule["dstate_tiles"] and seqlen >= rule["min_seqlen"]):
+            return rule["chunk"]
+    return chunk_size
+
+
+def forward_chunk(chunk_size, x, B):
+    """The chunk the forward kernels compute with for a call with the caller's ``chunk_size``
+    and inputs ``x`` (b, L, h, p), ``B`` (b, L, g, n)."""
+    how = mode()
+    if how == "caller":
+        return chunk_size
+    if how != "auto":
+        return how
+    return auto_chunk(chunk_size, capability=_capability(x.device), dtype=x.dtype,
+                      headdim=x.shape[3], dstate=B.shape[3], seqlen=x.shape[1])
+
+
+def backward_chunk(chunk_size):
+    """The chunk the backward kernels compute with: the caller's, unless a chunk is forced."""
+    how = mode()
+    return how if isinstance(how, int) else chunk_size
+
