@@ -405,8 +405,8 @@ def test_warm_compile_covers_every_search_space_config():
 
 
 def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
-    """Each warm-up process sees every n-th of TileGym's configs (a fake TileGym module stands in),
-    and TileGym's own functions are restored afterwards."""
+    """Each warm-up process sees every n-th of TileGym's configs, forward and backward (a fake
+    TileGym module stands in), and TileGym's own functions are restored afterwards."""
     import types
     import torch
     from tests.benchmark import warm_compile
@@ -416,7 +416,11 @@ def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
     fake._fwd_pass_state_autotune_configs = lambda *a, **k: iter(range(7))
     fake._compute_out_configs = lambda *a: iter(range(3))
     fake._compute_out_swap_configs = lambda *a: iter(range(3))
+    fake._bwd_pass_state_autotune_configs = lambda *a: iter(range(6))
+    fake._compute_dd_dcb_dx_autotune_configs = lambda *a, **k: iter(range(4))
+    fake._compute_da_db_dc_ddt_autotune_configs = lambda *a: iter(range(2))
     fake._chunk_cumsum_tune_cache = {"old": 1}
+    fake._bwd_pass_state_tune_cache = {}
     originals = {n: getattr(fake, n) for n in warm_compile.TILEGYM_CONFIG_LISTS}
 
     def forward(*args, chunk_size):
@@ -436,6 +440,15 @@ def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
     assert all(getattr(fake, n) is f for n, f in originals.items())
     warm_compile._tilegym_forward(inp, 4, part=4, nparts=5)       # an empty slice: the first config
     assert seen["out"] == [0] and seen["state"] == [4]
+    # the backward's lists too (fwd_bwd.py warms TileGym's backward so); a slice's winners are
+    # dropped afterwards, so the timed search is not served from them
+    with warm_compile.tilegym_configs_sliced(1, 3):
+        assert list(fake._bwd_pass_state_autotune_configs(64, 64)) == [1, 4]
+        assert list(fake._compute_dd_dcb_dx_autotune_configs(64, 64)) == [1]
+        assert list(fake._compute_da_db_dc_ddt_autotune_configs(64, 64)) == [1]
+        fake._bwd_pass_state_tune_cache["shape"] = "a slice's winner"
+    assert fake._bwd_pass_state_tune_cache == {}
+    assert all(getattr(fake, n) is f for n, f in originals.items())
 
 
 def test_warm_compile_takes_the_batch_and_models_warm_every_model():

@@ -29,6 +29,13 @@ Per implementation and chunk (the caller's, as a model passes it):
     speedup      Triton's fwd_bwd_ms / this one's (NaN where Triton did not run)
     grad_diff_*  each gradient's relative difference (in norm) from Triton's (TileGym's dt and
                  dt_bias gradients are of another quantity, the processed dt: not compared)
+
+``--warm-procs N`` first runs every first step in N spawned processes, which compile into the
+disk caches. TileGym autotunes exhaustively (about a hundred configs for each of its five
+kernels, each compiled on first use), which one process does one config at a time: so its
+configs are shared out among ``--tilegym-parts`` processes per shape, each compiling every
+n-th config of each list (``warm_compile.tilegym_configs_sliced``), and the timed run's own
+search finds them compiled.
 """
 import argparse
 import multiprocessing as mp
@@ -153,14 +160,24 @@ def _runs(shape, impls, chunks, tilegym_chunk):
 
 
 def _warm(job):
-    """One first step in a fresh process: its compiled kernels land in the disk caches."""
-    shape, impl, chunk = job
+    """One first step in a fresh process: its compiled kernels land in the disk caches. For
+    TileGym, one ``part`` of ``nparts`` of each of its autotuning lists (forward and backward:
+    ``warm_compile.tilegym_configs_sliced``), so that several processes compile one shape's
+    configs together and the timed run's search finds them all compiled."""
+    shape, impl, chunk, part, nparts = job
     inputs, dout = _setup(shape)
+    label = f"warm {shape_text(shape)} {impl} {chunk}" + (f" part {part + 1}/{nparts}"
+                                                          if nparts > 1 else "")
     try:
-        row, _ = measure(impl, chunk, inputs, dout, timed=False)
-        return f"warm {shape_text(shape)} {impl} {chunk}: {row['first_s']:.0f} s"
+        if impl == "tilegym":
+            from tests.benchmark.warm_compile import tilegym_configs_sliced
+            with tilegym_configs_sliced(part, nparts):
+                row, _ = measure(impl, chunk, inputs, dout, timed=False)
+        else:
+            row, _ = measure(impl, chunk, inputs, dout, timed=False)
+        return f"{label}: {row['first_s']:.0f} s"
     except Exception as e:               # reported; the timed run shows it again
-        return f"warm {shape_text(shape)} {impl} {chunk}: {type(e).__name__}: {str(e)[:200]}"
+        return f"{label}: {type(e).__name__}: {str(e)[:200]}"
 
 
 def grad_diff(grad, ref):
@@ -206,6 +223,8 @@ def main(argv=None):
     parser.add_argument("--chunks", default="256,128", help="this project's chunks, e.g. 256,128")
     parser.add_argument("--impls", default="triton,cutile,tilegym")
     parser.add_argument("--tilegym-chunk", type=int, default=64)
+    parser.add_argument("--tilegym-parts", type=int, default=8,
+                        help="warm processes sharing one shape's TileGym configs (--warm-procs)")
     parser.add_argument("--warm-procs", type=int, default=0,
                         help="compile every first step in this many processes first")
     parser.add_argument("--out", help="CSV file to write")
@@ -224,8 +243,10 @@ def main(argv=None):
     if args.grid:
         shapes += [(shape_text(s), s) for s in GRID]
     if args.warm_procs:
-        jobs = [(s, impl, c) for _, s in shapes for impl, c in
-                _runs(s, impls, chunks, args.tilegym_chunk)]
+        jobs = [(s, impl, c, part, args.tilegym_parts if impl == "tilegym" else 1)
+                for _, s in shapes for impl, c in _runs(s, impls, chunks, args.tilegym_chunk)
+                for part in range(args.tilegym_parts if impl == "tilegym" else 1)]
+        jobs.sort(key=lambda job: job[1] != "tilegym")     # the long TileGym compiles first
         start = time.perf_counter()
         with mp.get_context("spawn").Pool(args.warm_procs) as pool:
             for line in pool.imap_unordered(_warm, jobs):

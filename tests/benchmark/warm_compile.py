@@ -24,6 +24,7 @@ GPU -- but the compiled kernels land in the same disk cache, so the benchmark's 
 tunes without compiling.
 """
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -90,21 +91,26 @@ def _worker(job):
     return results
 
 
-# TileGym's functions listing each kernel's autotuning configs (tilegym/ops/cutile/mamba2.py).
+# TileGym's functions listing each kernel's autotuning configs, forward and backward, and the
+# in-process caches of its searches' winners (tilegym/ops/cutile/mamba2.py).
 TILEGYM_CONFIG_LISTS = ("_chunk_cumsum_autotune_configs", "_fwd_pass_state_autotune_configs",
-                        "_compute_out_configs", "_compute_out_swap_configs")
-TILEGYM_TUNE_CACHES = ("_chunk_cumsum_tune_cache", "_fwd_pass_state_tune_cache", "_compute_out_tune_cache")
+                        "_compute_out_configs", "_compute_out_swap_configs",
+                        "_bwd_pass_state_autotune_configs", "_compute_dd_dcb_dx_autotune_configs",
+                        "_compute_da_db_dc_ddt_autotune_configs")
+TILEGYM_TUNE_CACHES = ("_chunk_cumsum_tune_cache", "_fwd_pass_state_tune_cache",
+                       "_compute_out_tune_cache", "_fwd_pass_state_dual_tune_cache",
+                       "_bwd_pass_state_tune_cache", "_compute_dd_dcb_dx_tune_cache",
+                       "_compute_da_db_dc_ddt_tune_cache")
 
 
-def _tilegym_forward(inp, chunk, part=0, nparts=1):
-    """TileGym's forward as the benchmark calls it (processed dt, zero initial state), with each
-    of its autotuning lists cut to every ``nparts``-th config from ``part`` on: its exhaustive
-    search then compiles only those, and ``nparts`` processes compile one shape's configs together."""
-    import contextlib
+@contextlib.contextmanager
+def tilegym_configs_sliced(part, nparts):
+    """Within it, each of TileGym's autotuning lists is cut to every ``nparts``-th config from
+    ``part`` on, and its searches start afresh: an exhaustive search then compiles only those,
+    so ``nparts`` processes compile one shape's configs together. Its tuner's prints (every
+    config's time) are swallowed."""
     import io
-    from tests.benchmark import bench_forward
     import tilegym.ops.cutile.mamba2 as tg
-    forward = bench_forward.build("tilegym", inp, chunk)
 
     def sliced(listing):
         def configs(*a, **k):
@@ -117,11 +123,22 @@ def _tilegym_forward(inp, chunk, part=0, nparts=1):
     try:
         for name, listing in originals.items():
             setattr(tg, name, sliced(listing))
-        with contextlib.redirect_stdout(io.StringIO()):     # its tuner prints every config's time
-            forward()
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
     finally:
         for name, listing in originals.items():
             setattr(tg, name, listing)
+        for name in TILEGYM_TUNE_CACHES:            # winners among a slice: not the real ones
+            getattr(tg, name, {}).clear()
+
+
+def _tilegym_forward(inp, chunk, part=0, nparts=1):
+    """TileGym's forward as the benchmark calls it (processed dt, zero initial state), within
+    ``tilegym_configs_sliced(part, nparts)``."""
+    from tests.benchmark import bench_forward
+    forward = bench_forward.build("tilegym", inp, chunk)
+    with tilegym_configs_sliced(part, nparts):
+        forward()
 
 
 def parse_args(argv=None):
