@@ -422,12 +422,14 @@ def scores_in_memory(dstate):
     the shapes whose step is not host-bound (2.7B training 8 x 2K x 80 heads 3.37 -> 3.17 at
     chunk 128, 3.72 -> 3.47 at 256; 8B hybrid 2 x 8K x 128, 8 groups 4.87 -> 4.77 / 5.96 ->
     5.80; 1 x 64K x 80 12.42 -> 11.85 / 15.27 -> 14.29; at 130M training, where two rounds
-    differ by up to 15%, 3.11 -> 2.83 / 3.06 -> 3.16), at dstate 64 slower (1 x 64K x 80: 9.21
+    differ by up to 16%, 3.11 -> 2.83 / 3.06 -> 3.16), at dstate 64 slower (1 x 64K x 80: 9.21
     -> 9.89 / 11.89 -> 12.62: forming C B^T costs half as much there, and reading it back does
     not pay). At dstate 256 the backward alone (``results/bwd_compute_out_variants_h200.csv``)
-    was within 3% either way, so it stays off there; smaller dstates are untimed and kept off,
+    was within about 3% either way, so it stays off there; smaller dstates are untimed and kept off,
     as at 64. The buffer, (b, chunks, g, CHUNK, CHUNK) float32, lives while the token kernel
-    runs (``ops/backward.py``'s memory accounting counts it)."""
+    runs (``ops/backward.py``'s memory accounting counts it): by that accounting it leaves the
+    backward's peak alone at chunk 128 and raises it at 256 (130M training 271 -> 303 MiB, 2.7B
+    409 -> 425, 8B hybrid 680 -> 808)."""
     return tile_size(dstate) == 128
 
 

@@ -2,7 +2,7 @@
 
 The chunked algorithm computes the same function at every chunk size: only the order of the
 sums differs, so only rounding (measured below). The caller's chunk is a model's config value
-(Mamba-2's configs say 256), chosen for mamba_ssm's Triton kernels, and on the H200 this
+(Mamba-2's configs say 256), chosen for mamba_ssm's Triton kernels, and on an H200 this
 project's forward is faster at 128. So by default ("auto") the forward kernels compute with the
 chunk ``AUTO_RULES`` names for the call's shape and device, else the caller's; the backward
 keeps the caller's (at 128 its peak memory is 19-79% higher: ``results/fwd_bwd_h200.csv``).
@@ -24,17 +24,29 @@ dstate 128 1.809 -> 1.569, 64K dstate 256 2.463 -> 2.250, 256K dstate 128 7.272 
 -> 0.579, 64K 1.674 -> 1.463, 1.797 -> 1.558, 2.436 -> 2.233 (``fwd_bwd_h200.csv``'s fwd_ms).
 At 1 x 4K x 80 and dstate 64 nothing timed it reliably (that last harness is not made for a
 0.13 ms forward: it timed the same 4K shape at 0.135 and 0.222 ms in one run), so at dstate 64
-"auto" starts at 16K tokens. Outside what was measured
-(another GPU, dtype, headdim over 64, dstate over 256 or under 33, shorter sequences, a
-caller's chunk other than 256, the CPU interpreter) "auto" keeps the caller's chunk.
+"auto" starts at 16K tokens. (Chunk 64 was faster still at 16K x dstate 64, 0.347 ms in
+``chunk_sweep_h200.csv``: one point, not yet a rule.)
+
+Where "auto" applies (``AUTO_RULES``): a GPU whose name says H200, bf16 inputs, a caller's chunk
+of 256, headdim up to 64, dstate 65-256 from 2K tokens and 33-64 from 16K, and entry states at
+the new chunk under 2**31 elements (so the kernels stay 32-bit indexed, as measured). Measured
+were headdim 64, dstate 64, 128 and 256, 2K-256K tokens and 24-128 heads; the rule extends that
+to the sizes that compile to the same tiles. Everywhere else -- other GPUs (other Hopper parts
+included), dtypes, sizes, a caller's chunk other than 256, the CPU interpreter -- "auto" keeps
+the caller's chunk.
+
+What it costs: the forward's entry states, (b, chunks, h, p, n), double at half the chunk, and
+with them the forward's peak memory, by 29-31% at the model shapes (``models_h200.csv``'s
+peak_mem_mb: 130M 163 -> 210 MB, 2.7B training 270 -> 350, 2.7B prefill 65 -> 85, 8B hybrid
+408 -> 536). They are freed when the forward returns (the backward recomputes them).
 
 The rounding difference, measured through the interpreter (``tests/test_compute_chunk.py``: 1 x
 1024 tokens, 2 heads of 64 x 64, D, dt_bias, softplus) as the output's relative distance (in
 norm) from the float64 reference at the caller's chunk 256: float32 inputs 5.1e-7 at chunk 128,
 9.4e-7 at 256 (9.2e-7 from each other); bf16 2.34e-3 and 2.33e-3 (the output's own rounding to
 bf16; 6.6e-4 from each other). The GPU test there checks the same bound on the GPU at a Mamba-2
-layer's shape. So a change of chunk is a change of rounding only, no larger than the rounding
-at either chunk.
+layer's shape. So, memory aside, a change of chunk is a change of rounding only, no larger than
+the rounding at either chunk.
 """
 import functools
 import os
@@ -45,14 +57,19 @@ from .checks import tile_size
 
 ENV = "MAMBA2_CUTILE_COMPUTE_CHUNK"
 
-# (compute capability, x's dtype, caller's chunk, largest headdim, dstate's tiles, least seqlen)
-# -> the chunk to compute with. Each from the H200 measurements in the docstring.
+# (the GPU's name, x's dtype, caller's chunk, largest headdim, dstate's tiles, least seqlen) ->
+# the chunk to compute with. Each from the H200 measurements in the docstring; other Hopper GPUs
+# (H100, H20, GH200) are the same architecture but were not measured, so they are not named.
 AUTO_RULES = [
-    dict(capability=(9, 0), dtype=torch.bfloat16, caller=256, max_headdim=64,
-         dstate_tiles=(128, 256), min_seqlen=2048, chunk=128),
-    dict(capability=(9, 0), dtype=torch.bfloat16, caller=256, max_headdim=64,
-         dstate_tiles=(64,), min_seqlen=16384, chunk=128),
+    dict(gpu="H200", dtype=torch.bfloat16, caller=256, max_headdim=64, dstate_tiles=(128, 256),
+         min_seqlen=2048, chunk=128),
+    dict(gpu="H200", dtype=torch.bfloat16, caller=256, max_headdim=64, dstate_tiles=(64,),
+         min_seqlen=16384, chunk=128),
 ]
+# The entry states, (b, chunks, h, p, n), double at half the chunk; past this many elements the
+# kernels would switch to their 64-bit-indexed (slower) variants where the caller's chunk would
+# not need them (ops.launch.fit_index_width), which nothing measured: "auto" stops short of it.
+INDEX32_LIMIT = 2 ** 31
 
 
 def mode():
@@ -73,24 +90,28 @@ def mode():
     return chunk
 
 
-def _capability(device):
+def _gpu_name(device):
     if device.type != "cuda":
         return None
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _name_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_of(index):
-    return torch.cuda.get_device_capability(index)
+def _name_of(index):
+    return torch.cuda.get_device_name(index)
 
 
-def auto_chunk(chunk_size, *, capability, dtype, headdim, dstate, seqlen):
-    """The chunk ``AUTO_RULES`` give for this call, else ``chunk_size``."""
+def auto_chunk(chunk_size, *, gpu, dtype, batch, seqlen, nheads, headdim, dstate):
+    """The chunk ``AUTO_RULES`` give for this call on the GPU named ``gpu`` (None: not a GPU),
+    else ``chunk_size``."""
     for rule in AUTO_RULES:
-        if (capability == rule["capability"] and dtype == rule["dtype"]
+        chunk = rule["chunk"]
+        entry_elements = batch * -(-seqlen // chunk) * nheads * headdim * dstate
+        if (gpu is not None and rule["gpu"] in gpu and dtype == rule["dtype"]
                 and chunk_size == rule["caller"] and headdim <= rule["max_headdim"]
-                and tile_size(dstate) in rule["dstate_tiles"] and seqlen >= rule["min_seqlen"]):
-            return rule["chunk"]
+                and tile_size(dstate) in rule["dstate_tiles"] and seqlen >= rule["min_seqlen"]
+                and entry_elements < INDEX32_LIMIT):
+            return chunk
     return chunk_size
 
 
@@ -102,8 +123,9 @@ def forward_chunk(chunk_size, x, B):
         return chunk_size
     if how != "auto":
         return how
-    return auto_chunk(chunk_size, capability=_capability(x.device), dtype=x.dtype,
-                      headdim=x.shape[3], dstate=B.shape[3], seqlen=x.shape[1])
+    batch, seqlen, nheads, headdim = x.shape
+    return auto_chunk(chunk_size, gpu=_gpu_name(x.device), dtype=x.dtype, batch=batch,
+                      seqlen=seqlen, nheads=nheads, headdim=headdim, dstate=B.shape[3])
 
 
 def backward_chunk(chunk_size):

@@ -71,9 +71,10 @@ Variants (``default_config`` / ``search_space``)
     products of many chunks are in flight at once, and only the fold is sequential, with no
     second launch and no buffer read back by another pass. A block waits only for a block that
     started before it (blocks take tickets in the order they start, not their grid index), so
-    the waits always end. Tested on the interpreter (the same bits as the default) and compiled
-    for sm_80/90/100; not yet run on a GPU, so not yet in the search space
-    (``chained_candidates`` are the configs to time).
+    the waits always end. On the interpreter it gives the default's bits, but there blocks run
+    one after another in grid order, so no wait ever waits: the hand-over itself is checked
+    only on a GPU. Compiled for sm_80/90/100; not yet run on a GPU, so not yet in the search
+    space (``chained_candidates`` are the configs to time).
     Latency hints (LOAD_LAT on x, B and the initial state; STORE_LAT on
     the entry states), tile sizes and the compiler hint occupancy complete the space (num_ctas > 1 is
     refused: it faulted on sm_90).
@@ -408,8 +409,9 @@ def default_config(*, headdim, dstate, dtype=torch.bfloat16, states_dtype=None, 
     """Today's kernel: ``pick_tiles``' tiles, one chunk per iteration, no hints. ``states_dtype``
     (the entry states') defaults to ``dtype``, as ``ops.forward`` stores them."""
     bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype)
-    return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0, INDEX64=False,
-                occupancy=None, num_ctas=None, num_worker_warps=None, SPLIT=False, CHAINED=False)
+    return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0,
+                INDEX64=False, occupancy=None, num_ctas=None, num_worker_warps=None, SPLIT=False,
+                CHAINED=False)
 
 
 def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
@@ -562,7 +564,8 @@ def _chained_plan(x, B, dt_out, dA_cumsum, initial_states, seq_idx, seq_arg, ent
     ``handed`` holds each chunk's state after it, in float32 (the entry states may be 16-bit:
     the chain must not round the state it carries); ``ready`` and ``ticket`` are zeros, and the
     kernel leaves them zeros (each flag is cleared by its one reader, the ticket by the last
-    block), so a replayed launch can use them again."""
+    block), so the same plan can be launched again. (``ops.replay`` does not replay such a
+    call: these buffers are neither its inputs nor its outputs.)"""
     batch, _, nheads, _ = x.shape
     nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
     chains = tiles * nheads * batch

@@ -108,9 +108,9 @@ def test_fwd_pass_state_launcher_defaults():
 @pytest.mark.parametrize("device", DEVICES)
 def test_chained_leaves_its_flags_clear(device):
     """CHAINED's ready flags and ticket are zeros after a launch (each flag cleared by its one
-    reader, the ticket by the last block to take one), so the same launch run again -- as a
-    replayed call or a CUDA graph runs it -- gives the same bits; it refuses what a one-chunk
-    block cannot do."""
+    reader, the ticket by the last block to take one), so the same plan launched again gives
+    the same bits; it refuses what a one-chunk block cannot do. (On the interpreter blocks run
+    in grid order and never wait; on a GPU they do.)"""
     up = reference_states(dict(seqlen=150, seq_boundaries=[10, 64, 100]), 32, torch.bfloat16,
                           seed=4)
     kw = to_device(up.kw, device)

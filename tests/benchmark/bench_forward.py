@@ -43,7 +43,9 @@ model passes it):
                   The peaks are measured at the start of the run on this device: a bf16 8192^3 matmul
                   and a 1 GiB device-to-device copy (bytes read + written)
     best_chunk    True on each implementation's fastest chunk for the shape, among the chunks it ran:
-                  ``--chunks``, or its own list from ``--impl-chunks`` (implementations may differ)
+                  ``--chunks``, or its own list from ``--impl-chunks`` (implementations may differ;
+                  for this project's, a chunk sweep wants MAMBA2_CUTILE_COMPUTE_CHUNK=caller, else
+                  two caller's chunks may compute at one)
     status        ok, failed: <error>, crashed: <last error line>, not installed (<module>), skipped: ...
 and with every row the device, driver, package versions, peaks, timer, settings and the
 MAMBA2_CUTILE_*/TILEGYM_*/TRITON_* environment variables passed on, so a CSV explains itself.

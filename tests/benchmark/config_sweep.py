@@ -17,22 +17,26 @@ inputs, one seeded output gradient):
                autograd op runs it)
     step       both, one after the other: the work of one training step's scan through the op
 ``--variant KERNEL:KEY=VALUE[,KEY=VALUE...]`` (repeatable) gives that kernel a config: the keys
-given over the kernel's default for the shape (``ops/configs.py``' resolve_config: an unknown
-key is refused); values are ints, true/false (the flags) or None. Every shape x chunk
-runs the defaults ("default": the committed table's tuned configs for the forward kernels, as a
-first call gets them with ``MAMBA2_CUTILE_AUTOTUNE=table``) and then each variant.
+given over the kernel's *untuned* default config for the shape (``ops/configs.py``'
+resolve_config: an unknown key is refused); values are ints, true/false (the flags) or None.
+Every shape x chunk runs "default" (the committed table's tuned configs for the forward
+kernels, as a first call gets them with ``MAMBA2_CUTILE_AUTOTUNE=table``), on a GPU also
+"untuned" (every kernel's default config: ``MAMBA2_CUTILE_AUTOTUNE=0``, what a variant is set
+over), and then each variant.
 
 Timing: ``--rounds`` rounds, each timing every variant in turn (``triton.testing.do_bench``'s
-median after its warm-up; on the CPU the median of 3 calls), so that a drift of the machine
-over the run falls on all of them alike; a variant's time is its best round's. ``vs_default``
-is the default's time over the variant's (above 1: the variant is faster), ``max_rel_diff``
-the largest relative difference (in norm) of any output from the default's: the same function,
-so only rounding may differ. ``--warm-procs N`` first compiles every (shape, chunk, variant) in
-N spawned processes (each frees its inputs after each job: a GPU holds about ten of the 64K x
-dstate 256 steps at once).
+median after its warm-up; on the CPU the median of 3 calls), so that a drift of the machine over
+the run falls on all of them alike; a variant's time is its best round's. ``vs_default`` is the
+default's time over the variant's (above 1: the variant is faster), ``max_rel_diff`` the largest
+relative difference (in norm) of any output from the default's (NaN: an output not finite): the
+same function, so only rounding may differ. ``--warm-procs N`` first compiles every (shape,
+chunk, variant) in N spawned processes (each frees its inputs after each job: a GPU holds about
+ten of the 64K x dstate 256 steps at once).
 
 Output: a line per (shape, chunk, variant) and ``--out``'s CSV, one row each (written after every
-shape, so a run cut short keeps what it measured).
+shape, so a run cut short keeps what it measured). A variant whose launch never ends (a kernel
+that waits on other blocks, run on a GPU for the first time) hangs the run: run such under
+``timeout``.
 """
 import argparse
 import multiprocessing as mp
@@ -102,8 +106,23 @@ def _inputs(shape, device):
     return inputs, dout
 
 
+UNTUNED = "untuned"
+
+
 def call(what, inputs, dout, chunk, configs):
-    """One run of ``what`` -> its outputs (a list of tensors)."""
+    """One run of ``what`` -> its outputs (a list of tensors). ``configs``: by kernel name, or
+    ``UNTUNED`` (every kernel's default config, the tuned table switched off for the call)."""
+    if configs == UNTUNED:
+        from ops.autotune import ENV_SWITCH
+        before = os.environ.get(ENV_SWITCH)
+        os.environ[ENV_SWITCH] = "0"           # read at each call
+        try:
+            return call(what, inputs, dout, chunk, {})
+        finally:
+            if before is None:
+                del os.environ[ENV_SWITCH]
+            else:
+                os.environ[ENV_SWITCH] = before
     from ops.backward import kernel_backward
     from ops.forward import kernel_forward
     fwd_configs = {k: v for k, v in configs.items() if not k.startswith("bwd_")}
@@ -149,6 +168,9 @@ def _time(fn, device):
 
 
 def rel_diff(got, want):
+    """Relative difference in norm; NaN where ``got`` is not finite."""
+    if not torch.isfinite(got).all():
+        return float("nan")
     got, want = got.double(), want.double()
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
@@ -156,7 +178,8 @@ def rel_diff(got, want):
 def sweep(what, name, shape, chunk, variants, rounds, device):
     """-> one row per variant ("default" first) of one shape and chunk."""
     inputs, dout = _inputs(shape, device)
-    runs = [("default", {})] + variants
+    # (on the CPU the interpreter takes the default configs anyway: no "untuned" row)
+    runs = [("default", {})] + ([(UNTUNED, UNTUNED)] if device != "cpu" else []) + variants
     outputs, times = {}, {label: [] for label, _ in runs}
     for label, configs in runs:
         try:
@@ -205,7 +228,7 @@ def main(argv=None):
         parser.error("no GPU here: pass --device cpu for a dry run through the interpreter")
     if args.warm_procs and args.device == "cuda":
         jobs = [(args.what, shape, chunk, configs, args.device) for _, shape in args.shapes
-                for chunk in chunks for configs in [{}] + [v for _, v in args.variant]]
+                for chunk in chunks for configs in [{}, UNTUNED] + [v for _, v in args.variant]]
         start = time.perf_counter()
         with mp.get_context("spawn").Pool(args.warm_procs) as pool:
             for line in pool.imap_unordered(_warm, jobs):

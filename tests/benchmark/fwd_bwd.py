@@ -274,8 +274,8 @@ def main(argv=None):
             diffs = [v for k in LEAVES if (v := row[f"grad_diff_{k}"]) == v]    # not NaN
             computed = ("" if (row["fwd_chunk"], row["bwd_chunk"]) == (chunk, chunk) else
                         f" (computed at {row['fwd_chunk']} / {row['bwd_chunk']})")
-            print(f"{name:24s} {impl:7s} chunk {chunk:3d}{computed}: fwd+bwd {row['fwd_bwd_ms']:7.3f} ms "
-                  f"({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
+            print(f"{name:24s} {impl:7s} chunk {chunk:3d}{computed}: fwd+bwd "
+                  f"{row['fwd_bwd_ms']:7.3f} ms ({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
                   f"{row['first_s']:.1f} s, peak +{row['peak_mib']:.0f} MiB, grad diff <= "
                   f"{max(diffs) if diffs else nan:.1e}", flush=True)
         del inputs, dout
