@@ -25,8 +25,9 @@ gradients are bitwise reproducible. With z, the token kernel's skip terms (D dy 
 dy x) read dy as rounded to x's dtype, the kernels' operand, where the specification takes it
 in float32: one more rounding of dy (bf16: 2**-9 relative) in those two terms; without z, dy is
 dout itself and nothing changes. With ``configs={"bwd_compute_out": {"FUSE_STATES": False}}``
-the token launch leaves the states' gradients to ``bwd_chunk_states``, launched after it, which
-adds its dx, ddt_out and ddA_cumsum into the token launch's (then float32) ones.
+(the default at dstate 256 from 16K tokens: ``bwd_compute_out.fuse_states``) the token launch
+leaves the states' gradients to ``bwd_chunk_states``, launched after it, which adds its dx,
+ddt_out and ddA_cumsum into the token launch's (then float32) ones.
 
 Memory (bytes beyond the inputs and dout, at batch 8 x 2K tokens, 80 heads of 64 x 128, 1 group,
 bf16, chunk 256 (128 where it differs), D, no z; ``memory_accounting`` computes them for any shape
@@ -110,13 +111,17 @@ def token_slices(batch, seqlen, width):
 
 
 def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size,
-                      dtype=torch.bfloat16, states_dtype=None, z=False, initial_states=False):
+                      dtype=torch.bfloat16, states_dtype=None, z=False, initial_states=False,
+                      configs=None):
     """The bytes of the tensors ``kernel_backward`` (with ``input_dtypes=True``, as the operator
-    calls it) holds beyond its inputs and dout at each of its steps, with the default configs,
-    as this module's docstring lists them: a dict of step -> {tensor: bytes}, and "peak" ->
-    (step, bytes). Inputs are taken contiguous (views are copied, and dout in x's dtype:
-    otherwise dy is a copy of it). Every tensor is counted, the (b, h, c, l) ones too."""
+    calls it) holds beyond its inputs and dout at each of its steps, with the default configs
+    (or ``configs``, as ``kernel_backward`` takes them: ``bwd_compute_out``'s and
+    ``bwd_chunk_states``' change the count), as this module's docstring lists them: a dict of
+    step -> {tensor: bytes}, and "peak" -> (step, bytes). Inputs are taken contiguous (views are
+    copied, and dout in x's dtype: otherwise dy is a copy of it). Every tensor is counted, the
+    (b, h, c, l) ones too."""
     from .bwd_compute_out import default_config as out_config
+    configs = configs or {}
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
     se = torch.empty((), dtype=states_dtype or dtype).element_size()
     se = se if (states_dtype or dtype) in (dtype, torch.float32) else f32   # widened
@@ -129,8 +134,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     groups = batch * seqlen * ngroups * dstate * f32                # a (b, L, g, n) tensor
     final = batch * nheads * headdim * dstate * f32
     per_group = nheads // ngroups
-    out_cfg = out_config(**shape)
+    out_cfg = resolve_config(configs.get("bwd_compute_out"), out_config(**shape))
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
+    fused = out_cfg["FUSE_STATES"]
     width = nheads * headdim
     slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
     ds = e if dtype == torch.bfloat16 else f32
@@ -151,12 +157,17 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         gate["y (pre-gate)"] = tokens * e
     split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
     tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
-    token_parts = {"ddA_tiles": chunked // out_cfg["BLOCK_T"],
-                   "dD partials": batch * tiles * nheads * headdim * f32}
+    token_parts = {"dD partials": batch * tiles * nheads * headdim * f32}
+    if fused:
+        token_parts["ddA_tiles"] = chunked // out_cfg["BLOCK_T"]
+    else:                                   # one-element tensors passed for dS and ddA_tiles
+        token_parts["unread stand-ins"] = 2 * f32
     # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY)
     scores = ({"C B^T scores": batch * nchunks * ngroups * chunk_size ** 2 * f32}
               if out_cfg["SCORES_IN_MEMORY"] else {})
-    dx = {"dx (x's dtype)": tokens * e}                       # written once, complete
+    # fused: dx written once, complete, in x's dtype; else float32, completed by chunk_states
+    # and converted at the end
+    dx = {"dx (x's dtype)": tokens * e} if fused else {"dx (float32)": tokens * f32}
     steps = {
         "recompute": recompute,
         "gate": gate,
@@ -181,6 +192,20 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
                                    "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
                                    "ddt (b, L, h)": batch * seqlen * nheads * f32},
     }
+    if not fused:
+        # bwd_chunk_states after the token kernel: its dB's head-split partials and last-token
+        # sums, then dB's sum; dx is converted to x's dtype beside its float32 self at the end
+        from .bwd_chunk_states import default_config as states_config
+        cs_cfg = resolve_config(configs.get("bwd_chunk_states"), states_config(**shape))
+        cs_splits = per_group // cs_cfg["HEADS_PER_BLOCK"]
+        steps["chunk_states"] = {
+            **base, **kept, **dinit, **last, "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
+            "dB, dC": 2 * groups, "chunk_states' dB partials": cs_splits * groups,
+            "chunk_states' dB (their sum)": split_sum(cs_splits),
+            "chunk_states' ddA_tiles": chunked // cs_cfg["BLOCK_T"],
+            "dD partials": token_parts["dD partials"]}
+        if e != f32:
+            steps["gradients in x's dtype"]["dx in x's dtype"] = tokens * e
     totals = {k: sum(v.values()) for k, v in steps.items()}
     top = max(totals, key=totals.get)
     return {**steps, "peak": (top, totals[top])}

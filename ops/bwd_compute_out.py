@@ -433,13 +433,31 @@ def scores_in_memory(dstate):
     return tile_size(dstate) == 128
 
 
+def fuse_states(dstate, tokens=None):
+    """Whether the token kernel does ``bwd_chunk_states``' work too by default (FUSE_STATES):
+    yes, except where dstate's tile is 256 from 16K tokens (batch x seqlen; None: a long
+    sequence). There the fused kernel compiles to 255 registers x 256 threads with spills, and
+    the backward alone took 8-16% less time unfused on an H200 (bf16, 1 x 80 heads of 64, ms
+    fused -> unfused at chunk 128 / 256, ``results/bwd_compute_out_variants_h200.csv``: 16K
+    6.50 -> 5.91 / 7.04 -> 6.49, 64K 27.17 -> 22.80 / 29.80 -> 24.95); at dstate 128 it took
+    30-36% more time unfused. Its cost is memory: dx in float32 until the end, and
+    ``bwd_chunk_states``' dB partials. By ``ops/backward.py``'s memory accounting that raises the
+    backward's peak at chunk 256 by 138 MiB at 16K and 183 MiB at 64K (not at chunk 128, where
+    the pass over the states peaks), which keeps a training step's scan under mamba_ssm's Triton
+    peak there (by the measured fused peaks: 1018 + 138 against 1189 MiB, 4004 + 183 against
+    4733). Shorter sequences and dstate 512 were not timed unfused: fused, as before."""
+    long = tokens is None or tokens >= 16384
+    return not (tile_size(dstate) == 256 and long)
+
+
 def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
                    **_):
     """``default_block_t``'s tiles, ``default_heads_per_block`` (seqlen None: a long sequence,
     all heads of a group per block), the dentry kernel's tiles of the whole (padded) headdim and
     up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
-    FUSE_STATES: ``ops/backward.py`` lets the token kernel do ``bwd_chunk_states``' work too
-    (False: it launches that kernel after this one). SCORES_IN_MEMORY where dstate's tile is 128
+    FUSE_STATES (``fuse_states``): ``ops/backward.py`` lets the token kernel do
+    ``bwd_chunk_states``' work too (False: it launches that kernel after this one), except at
+    dstate 256 from 16K tokens. SCORES_IN_MEMORY where dstate's tile is 128
     (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
     bt = default_block_t(chunk_size, headdim, dstate)
     if seqlen is None:
@@ -450,7 +468,8 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                                      blocks_per_head_block=batch * tiles)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
-                num_worker_warps=WORKER_WARPS, FUSE_STATES=True,
+                num_worker_warps=WORKER_WARPS,
+                FUSE_STATES=fuse_states(dstate, None if seqlen is None else batch * seqlen),
                 SCORES_IN_MEMORY=scores_in_memory(dstate))
 
 
@@ -458,8 +477,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     """Variants worth timing (the default first, at most 11): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
-    multiprocessor), smaller dentry tiles, the chunk states' gradients in a kernel of their
-    own, and C B^T the other way than the default (read from memory or formed per head; alone and
+    multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
+    default (in a kernel of their own, or fused), and C B^T the other way than the default (read from memory or formed per head; alone and
     with one head per block)."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
@@ -474,7 +493,7 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
                 {**base, "num_worker_warps": None, "occupancy": 2}]
     configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
                     "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
-    configs.append({**base, "FUSE_STATES": False})
+    configs.append({**base, "FUSE_STATES": not base["FUSE_STATES"]})
     # C B^T the other way (from memory, once per group: ops/chunk_scores.py; or formed per head),
     # alone and with more, smaller blocks
     other = not base["SCORES_IN_MEMORY"]

@@ -306,11 +306,15 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
             del self.live[key]
 
 
-@pytest.mark.parametrize("z, initial_states, dstate, ngroups", [
-    (False, False, 32, 2), (False, True, 32, 2), (True, False, 32, 2), (True, True, 32, 2),
-    (False, False, 128, 8)],
-    ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8"])
-def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups):
+@pytest.mark.parametrize("z, initial_states, dstate, ngroups, config", [
+    (False, False, 32, 2, None), (False, True, 32, 2, None), (True, False, 32, 2, None),
+    (True, True, 32, 2, None), (False, False, 128, 8, None),
+    (False, False, 32, 2, dict(FUSE_STATES=False)), (True, True, 32, 2, dict(FUSE_STATES=False)),
+    (False, False, 64, 1, dict(FUSE_STATES=False))],
+    ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
+         "z-initial-unfused", "unfused-g1-chunk-states-peak"])
+def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
+                                            config):
     """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,
     D, dt_bias) never exceed ``ops.backward.memory_accounting``'s peak, which they reach within 10%
     (the accounting is not loose). The gate's slices are made small so that the full-size
@@ -318,7 +322,9 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     element this CPU count is not exact (storages freed and made again at one address), and the
     GPU test below measures the allocator itself. At dstate 128 the token kernel reads C B^T
     from memory, and with one head per group (no head splits to sum) its step is the peak, of
-    which the C B^T buffer is 16%."""
+    which the C B^T buffer is 16%. ``FUSE_STATES=False``: the token kernel's float32 dx, then
+    bwd_chunk_states' launch (with one group of eight heads its dB partials make its step the
+    peak), counted as the accounting does for that config."""
     import ops.backward as bwd
     monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
     shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=ngroups, dstate=dstate,
@@ -326,6 +332,7 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     kw = make_problem(**{k: v for k, v in shape.items() if k != "chunk_size"}, D="1d", z=z,
                       initial_states=initial_states, seed=1, dtype=torch.bfloat16)
     dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    configs = {"bwd_compute_out": config} if config else None
     tracker = LiveTensors()
     real = ops.launch.launch
 
@@ -342,10 +349,10 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
         grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64,
                                     D=kw["D"], z=kw.get("z"), dt_bias=kw["dt_bias"],
                                     initial_states=kw.get("initial_states"),
-                                    input_dtypes=True, **OPTIONS)
+                                    input_dtypes=True, configs=configs, **OPTIONS)
     assert grads["dx"].dtype == torch.bfloat16 and grads["dB"].shape == kw["B"].shape
     step, bound = bwd.memory_accounting(**shape, dtype=torch.bfloat16, z=z,
-                                        initial_states=initial_states)["peak"]
+                                        initial_states=initial_states, configs=configs)["peak"]
     described = sorted(tracker.at_peak.values(), key=lambda v: -v[2])
     assert tracker.peak <= bound, (tracker.peak, bound, step, described)
     assert tracker.peak >= 0.9 * bound, (tracker.peak, bound, step, described)

@@ -226,6 +226,19 @@ def test_scores_in_memory_by_default_where_it_was_faster():
         assert {c["SCORES_IN_MEMORY"] for c in mod.search_space(**shape)} == {False, True}
 
 
+def test_states_fused_by_default_but_at_dstate_256_from_16k_tokens():
+    """The token kernel does bwd_chunk_states' work too by default, except at dstate 256 from
+    16K tokens (batch x seqlen), where the H200 measured the unfused path faster
+    (``mod.fuse_states``); the search space holds the other way at every shape."""
+    for dstate, batch, seqlen, want in ((128, 1, 65536, True), (64, 8, 2048, True),
+                                        (256, 1, 4096, True), (256, 1, 16384, False),
+                                        (256, 8, 2048, False), (200, 1, 65536, False),
+                                        (512, 1, 65536, True), (256, 1, None, False)):
+        shape = dict(VARIANT_SHAPE, dstate=dstate, batch=batch, seqlen=seqlen)
+        assert mod.default_config(**shape)["FUSE_STATES"] is want, shape
+        assert {c["FUSE_STATES"] for c in mod.search_space(**shape)} == {False, True}
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype_name, config", variant_cases())
 def test_variant_matches_the_default(device, dtype_name, config):
