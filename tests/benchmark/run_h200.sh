@@ -15,9 +15,12 @@
 #                                                             -> $OUT/warm.log
 #   profile profile_ncu.sh at PROFILE_SHAPES (default 64K:256 256K:128), cutile and triton
 #                                                             -> $OUT/ncu_*.csv
-#   grid    triton, cutile, tilegym at chunk 256              -> $OUT/grid_chunk256.csv (+ .log .png .md)
-#   chunks  the same at chunks 64, 128 and 256 (the chunk-256 rows are taken over from the grid
-#           part, so only 64 and 128 run); each implementation's best chunk is marked
+#   grid    triton, cutile, tilegym at the caller's chunk 256 (this project's forward may compute
+#           at another: ops/compute_chunk.py; the CSV's compute_chunk column says which)
+#                                                             -> $OUT/grid_chunk256.csv (+ .log .png .md)
+#   chunks  the same at chunks 64, 128 and 256, each computed at exactly that chunk
+#           (MAMBA2_CUTILE_COMPUTE_CHUNK=caller); the grid part's chunk-256 rows computed at 256
+#           are taken over, so only the rest run; each implementation's best chunk is marked
 #                                                             -> $OUT/grid_chunks.csv (+ .log .png .md)
 #
 # Every part is bounded by `timeout` (GRID_LIMIT, CHUNKS_LIMIT seconds; by default the two together
@@ -139,12 +142,23 @@ for p in $PARTS; do
         grid)
             part grid_chunk256 "$GRID_LIMIT" "$SEQLENS" --impls "$IMPLS" --dstates "$DSTATES" --chunks 256 ;;
         chunks)
-            # start from the chunk-256 rows of the grid part (when there are some), then add the others
+            # start from the grid part's rows computed at their own chunk (when there are some),
+            # then add the others, every chunk computed as given
             if [ ! -f "$WORK/grid_chunks.csv" ] && [ -f "$WORK/grid_chunk256.csv" ]; then
-                cp "$WORK/grid_chunk256.csv" "$WORK/grid_chunks.csv"
+                python - "$WORK/grid_chunk256.csv" "$WORK/grid_chunks.csv" <<'EOF'
+import csv, sys
+with open(sys.argv[1], newline="") as f:
+    reader = csv.DictReader(f)
+    rows = [r for r in reader if r.get("compute_chunk") in (None, "", r["chunk"])]
+    fields = reader.fieldnames
+with open(sys.argv[2], "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+EOF
             fi
-            part grid_chunks "$CHUNKS_LIMIT" "$SWEEP_SEQLENS" --impls "$IMPLS" --dstates "$DSTATES" \
-                --chunks "$SWEEP_CHUNKS" ;;
+            MAMBA2_CUTILE_COMPUTE_CHUNK=caller part grid_chunks "$CHUNKS_LIMIT" "$SWEEP_SEQLENS" \
+                --impls "$IMPLS" --dstates "$DSTATES" --chunks "$SWEEP_CHUNKS" ;;
         *)
             echo "unknown part '$p' (parts: warm, grid, chunks, profile)"; exit 2 ;;
     esac
