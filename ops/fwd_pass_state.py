@@ -62,19 +62,10 @@ Variants (``default_config`` / ``search_space``)
     walks the chunks loading only that tile and dA[last], decaying and adding. The price: the
     buffer written and read once (the entry states' size in float32), and a pass that is still
     sequential but does no product. Timed on the H200: the whole forward 1.4-2.3x slower at every
-    shape tried (``tests/benchmark/results/fwd_pass_state_split_h200.csv``).
-    CHAINED=True launches ``chained_pass_kernel`` instead: one block per (chunk, state tile,
-    head, batch), chunk-major. A block forms its chunk's own state (independent of the others),
-    waits for the previous chunk's block to publish the state after that chunk (a float32 tile
-    in ``handed`` and a flag in ``ready``: release on the writer's side, acquire on the
-    reader's), writes it as its entry state, folds its chunk in and publishes in turn. So the
-    products of many chunks are in flight at once, and only the fold is sequential, with no
-    second launch and no buffer read back by another pass. A block waits only for a block that
-    started before it (blocks take tickets in the order they start, not their grid index), so
-    the waits always end. On the interpreter it gives the default's bits, but there blocks run
-    one after another in grid order, so no wait ever waits: the hand-over itself is checked
-    only on a GPU. Compiled for sm_80/90/100; not yet run on a GPU, so not yet in the search
-    space (``chained_candidates`` are the configs to time).
+    shape tried (``tests/benchmark/results/fwd_pass_state_split_h200.csv``); it stays in the
+    search space for GPUs where the balance differs. (A third layout, one block per chunk handing
+    each chunk's state to the next through ready flags in global memory, was 1.6-1.9x slower on
+    the H200, ``fwd_pass_state_chained_h200.csv``, and was removed.)
     Latency hints (LOAD_LAT on x, B and the initial state; STORE_LAT on
     the entry states), tile sizes and the compiler hint occupancy complete the space (num_ctas > 1 is
     refused: it faulted on sm_90).
@@ -191,7 +182,7 @@ def own_state(xt, bt, w, BLOCK_P, BLOCK_N, SWAP):
 def chunk_own_state(x, B, dt_out, dA_cumsum, seq_idx, b, h, g, c, pi, ni,
                     CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT):
     """Chunk c's own state tile (float32, (BLOCK_P, BLOCK_N)) and its dA[last], from the chunk's
-    inputs alone: what SPLIT's and CHAINED's blocks form without waiting on other chunks."""
+    inputs alone: what SPLIT's blocks form without waiting on other chunks."""
     xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
                                   CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
     w, dA_last = write_weights(dA, dt, seq_idx, b, c, x.shape[1], CHUNK, HAS_SEQ_IDX)
@@ -329,78 +320,6 @@ def fwd_pass_state_kernel(
     store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, SWAP)
 
 
-@ct.kernel
-def chained_pass_kernel(
-    x: ct.IndexedWithInt64,               # (batch, seqlen, nheads, headdim)
-    B: ct.IndexedWithInt64,               # (batch, seqlen, ngroups, dstate)
-    dt_out: ct.IndexedWithInt64,          # (batch, nheads, nchunks, CHUNK) float32
-    dA_cumsum: ct.IndexedWithInt64,       # (batch, nheads, nchunks, CHUNK) float32, log2 units
-    initial_states: ct.IndexedWithInt64,  # (batch, nheads, headdim, dstate), unread if not HAS_INIT
-    seq_idx: ct.IndexedWithInt64,         # (batch, seqlen) int32, unread if not HAS_SEQ_IDX
-    entry_states: ct.IndexedWithInt64,    # (batch, nchunks, nheads, headdim, dstate)
-    final_states: ct.IndexedWithInt64,    # (batch, nheads, headdim, dstate) float32
-    handed: ct.IndexedWithInt64,          # (batch, nchunks, nheads, headdim, dstate) float32:
-                                          # each chunk's state after it, for the next chunk
-    ready: ct.IndexedWithInt64,           # (chains, nchunks) int32, 0 before and after a launch
-    ticket: ct.Array,                     # (1,) int32, 0 before and after a launch
-    heads_per_group: int,
-    CHUNK: ConstInt,
-    BLOCK_P: ConstInt,
-    BLOCK_N: ConstInt,
-    HAS_INIT: ConstBool,
-    HAS_SEQ_IDX: ConstBool,
-    LOAD_LAT: ConstInt,
-    STORE_LAT: ConstInt,
-):
-    """CHAINED: one block per (chunk, state tile, head, batch), each handing its chunk's state
-    on to the next chunk's block through memory and a ready flag (see ``fwd_pass_state_plan``)."""
-    n_ptiles = ct.cdiv(x.shape[3], BLOCK_P)
-    n_tiles = n_ptiles * ct.cdiv(B.shape[3], BLOCK_N)
-    nheads, nchunks, seqlen = x.shape[2], dt_out.shape[2], x.shape[1]
-    chains = n_tiles * nheads * x.shape[0]
-    # The order in which blocks started, not their grid index: a block waits only for a block
-    # with a smaller ticket, which has started, so every wait ends (whatever the scheduler does).
-    order = ct.atomic_add(ticket, 0, 1)
-    if order == chains * nchunks - 1:
-        ct.atomic_xchg(ticket, 0, 0)       # every ticket is taken: ready for the next launch
-    c, chain = order // chains, order % chains
-    tile_id, head_batch = chain % n_tiles, chain // n_tiles
-    pi, ni = tile_id % n_ptiles, tile_id // n_ptiles
-    h, b = head_batch % nheads, head_batch // nheads
-
-    # The chunk's own state does not depend on the chunks before: formed while they finish.
-    own, dA_last = chunk_own_state(x, B, dt_out, dA_cumsum, seq_idx, b, h, h // heads_per_group,
-                                   c, pi, ni, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT)
-
-    if c == 0:
-        if HAS_INIT:
-            running = load_state(initial_states, b, h, pi, ni, BLOCK_P, BLOCK_N, False, LOAD_LAT)
-        else:
-            running = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
-        running_seq = ct.zeros((), dtype=ct.int32)
-    else:
-        # Wait for the previous chunk's state (acquire: its writes are visible after), then
-        # clear the flag for the next launch (this block is its one reader).
-        flag = ct.atomic_add(ready, (chain, c - 1), 0, memory_order=ct.MemoryOrder.ACQUIRE)
-        while flag == 0:
-            flag = ct.atomic_add(ready, (chain, c - 1), 0, memory_order=ct.MemoryOrder.ACQUIRE)
-        ct.atomic_xchg(ready, (chain, c - 1), 0, memory_order=ct.MemoryOrder.RELAXED)
-        running = ct.reshape(ct.load(handed, (b, c - 1, h, pi, ni),
-                                     shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO),
-                             (BLOCK_P, BLOCK_N))
-        running_seq = ct.zeros((), dtype=ct.int32)
-        if HAS_SEQ_IDX:
-            running_seq = last_sequence(seq_idx, b, c - 1, seqlen, CHUNK)
-    store_entry(entry_states, b, c, h, pi, ni, running, BLOCK_P, BLOCK_N, False, STORE_LAT)
-    running, _ = carry(running, running_seq, own, dA_last, seq_idx, b, c, seqlen, CHUNK,
-                       HAS_SEQ_IDX)
-    if c == nchunks - 1:
-        store_final(final_states, b, h, pi, ni, running, BLOCK_P, BLOCK_N, False)
-    else:
-        ct.store(handed, (b, c, h, pi, ni), ct.reshape(running, (1, 1, 1, BLOCK_P, BLOCK_N)))
-        ct.atomic_xchg(ready, (chain, c), 1, memory_order=ct.MemoryOrder.RELEASE)
-
-
 def pick_tiles(headdim, dstate, states_dtype, block_p=None, block_n=None):
     """Default tiles for an H200 (see "Parallelism"): 64 headdim rows; 128 dstate columns
     with 16-bit entry states, 64 with float32 ones (twice the bytes to store per chunk). A
@@ -416,8 +335,7 @@ def default_config(*, headdim, dstate, dtype=torch.bfloat16, states_dtype=None, 
     (the entry states') defaults to ``dtype``, as ``ops.forward`` stores them."""
     bp, bn = pick_tiles(headdim, dstate, states_dtype or dtype)
     return dict(BLOCK_P=bp, BLOCK_N=bn, SWAP=False, CHUNKS_PER_ITER=1, LOAD_LAT=0, STORE_LAT=0,
-                INDEX64=False, occupancy=None, num_ctas=None, num_worker_warps=None, SPLIT=False,
-                CHAINED=False)
+                INDEX64=False, occupancy=None, num_ctas=None, num_worker_warps=None, SPLIT=False)
 
 
 def fits(cfg, *, chunk_size, dtype=torch.bfloat16, **_):
@@ -488,18 +406,7 @@ def search_space(*, headdim, dstate, chunk_size, dtype=torch.bfloat16, **shape):
     # SPLIT: every chunk's own state formed in parallel first (chunk_states_kernel), then a pass
     # that only decays and adds; with the long load-latency hint on the pass' reads too.
     kept += [{**base, "SPLIT": True}, {**base, "SPLIT": True, "LOAD_LAT": 8}]
-    # (CHAINED joins the space once it has run on a GPU: a search must not meet a wait that
-    # never ends. ``chained_candidates`` are the configs to time then.)
     return unique(kept + [{**kept[0], "INDEX64": True}])
-
-
-def chained_candidates(base):
-    """CHAINED configs worth timing, from the default ``base``: the compiler's default keeps one
-    such block per multiprocessor (218 KB of shared memory at 64 x 128 tiles, chunk 256), so
-    more blocks resident, each waiting less, are tried too."""
-    return [{**base, "CHAINED": True}, {**base, "CHAINED": True, "LOAD_LAT": 8},
-            {**base, "CHAINED": True, "occupancy": 2},
-            {**base, "CHAINED": True, "BLOCK_N": min(64, base["BLOCK_N"]), "occupancy": 4}]
 
 
 def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
@@ -527,10 +434,6 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
         raise ValueError("SPLIT takes SWAP=False and CHUNKS_PER_ITER=1 (its pass loads no x or B "
                          f"to swap or pair), got SWAP={cfg['SWAP']}, "
                          f"CHUNKS_PER_ITER={cfg['CHUNKS_PER_ITER']}")
-    if cfg["CHAINED"] and (cfg["SWAP"] or cfg["CHUNKS_PER_ITER"] != 1 or cfg["SPLIT"]):
-        raise ValueError("CHAINED takes SWAP=False, CHUNKS_PER_ITER=1 and SPLIT=False (a block "
-                         f"holds one chunk), got SWAP={cfg['SWAP']}, "
-                         f"CHUNKS_PER_ITER={cfg['CHUNKS_PER_ITER']}, SPLIT={cfg['SPLIT']}")
 
     entry_states = new_output((batch, nchunks, nheads, headdim, dstate), states_dtype, x.device,
                               poison)
@@ -538,9 +441,6 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
     seq_idx = as_int32(seq_idx)
     seq_arg = seq_idx if seq_idx is not None else dt_out
     tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
-    if cfg["CHAINED"]:
-        return _chained_plan(x, B, dt_out, dA_cumsum, initial_states, seq_idx, seq_arg,
-                             entry_states, final_states, bp, bn, tiles, cfg, poison)
     before = ()
     chunk_states = entry_states               # never read without SPLIT
     if cfg["SPLIT"]:
@@ -560,30 +460,6 @@ def fwd_pass_state_plan(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=No
             bool(cfg["SPLIT"]))
     kernel = with_hints(fit_index_width(fwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
     return Plan((tiles, nheads, batch), kernel, args, (entry_states, final_states), before)
-
-
-def _chained_plan(x, B, dt_out, dA_cumsum, initial_states, seq_idx, seq_arg, entry_states,
-                  final_states, bp, bn, tiles, cfg, poison):
-    """CHAINED's launch: ``chained_pass_kernel`` on nchunks x (state tiles x heads x batch)
-    blocks, whose tickets (the order they start in) map to chunks chunk-major, so that a chunk's
-    blocks start after the previous chunk's.
-    ``handed`` holds each chunk's state after it, in float32 (the entry states may be 16-bit:
-    the chain must not round the state it carries); ``ready`` and ``ticket`` are zeros, and the
-    kernel leaves them zeros (each flag is cleared by its one reader, the ticket by the last
-    block), so the same plan can be launched again. (``ops.replay`` does not replay such a
-    call: these buffers are neither its inputs nor its outputs.)"""
-    batch, _, nheads, _ = x.shape
-    nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
-    chains = tiles * nheads * batch
-    handed = new_output(entry_states.shape, torch.float32, x.device, poison)
-    ready = torch.zeros((chains, nchunks), dtype=torch.int32, device=x.device)
-    ticket = torch.zeros((1,), dtype=torch.int32, device=x.device)
-    args = (x, B, dt_out, dA_cumsum, initial_states if initial_states is not None else x,
-            seq_arg, entry_states, final_states, handed, ready, ticket,
-            x.shape[2] // B.shape[2], chunk_size, bp, bn, initial_states is not None,
-            seq_idx is not None, cfg["LOAD_LAT"], cfg["STORE_LAT"])
-    kernel = with_hints(fit_index_width(chained_pass_kernel, args, cfg["INDEX64"]), cfg)
-    return Plan((nchunks * chains, 1, 1), kernel, args, (entry_states, final_states))
 
 
 def fwd_pass_state(x, B, dt_out, dA_cumsum, initial_states=None, seq_idx=None,

@@ -62,17 +62,6 @@ STATE_CASES = [
     pytest.param(dict(seqlen=50, headdim=24, dstate=40), 16,
                  dict(config=dict(SPLIT=True, BLOCK_P=16, BLOCK_N=32)),
                  id="split-odd-sizes-partial-state-tiles"),
-    # CHAINED: a block per chunk handing the state on; packed sequences (the carry dropped at a
-    # block's start), initial states, several state tiles per head, partial tiles, one chunk
-    pytest.param(dict(seqlen=150, seq_boundaries=[10, 64, 100]), 32,
-                 dict(config=dict(CHAINED=True)), id="chained-seq_idx-init"),
-    pytest.param(dict(seqlen=77), 16, dict(config=dict(CHAINED=True, BLOCK_P=16, BLOCK_N=16)),
-                 id="chained-ragged-small-tiles"),
-    pytest.param(dict(seqlen=50, headdim=24, dstate=40), 16,
-                 dict(config=dict(CHAINED=True, BLOCK_P=16, BLOCK_N=32)),
-                 id="chained-odd-sizes-partial-state-tiles"),
-    pytest.param(dict(seqlen=9, initial_states=False), 16, dict(config=dict(CHAINED=True)),
-                 id="chained-L9-one-chunk-no-init"),
 ]
 
 
@@ -103,33 +92,6 @@ def test_fwd_pass_state_launcher_defaults():
                                   states_dtype=torch.bfloat16, poison=True)
     assert entry.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert rel_err(entry, up.entry) < 1e-2 and rel_err(final, up.final) < 1e-5
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_chained_leaves_its_flags_clear(device):
-    """CHAINED's ready flags and ticket are zeros after a launch (each flag cleared by its one
-    reader, the ticket by the last block to take one), so the same plan launched again gives
-    the same bits; it refuses what a one-chunk block cannot do. (On the interpreter blocks run
-    in grid order and never wait; on a GPU they do.)"""
-    up = reference_states(dict(seqlen=150, seq_boundaries=[10, 64, 100]), 32, torch.bfloat16,
-                          seed=4)
-    kw = to_device(up.kw, device)
-    plan = fwd_pass_state_plan(kw["x"], kw["B"], up.dt.to(device), up.dA.to(device),
-                               kw["initial_states"], kw["seq_idx"], poison=True,
-                               config=dict(CHAINED=True, BLOCK_P=16, BLOCK_N=16))
-    ready, ticket = plan.args[9], plan.args[10]
-    assert ready.dtype == ticket.dtype == torch.int32 and ready.shape[0] == plan.grid[0] // 5
-    first = [t.clone() for t in synced(run, plan)]
-    assert int(ready.abs().sum()) == 0 and int(ticket.item()) == 0
-    for out in plan.outputs:
-        out.fill_(float("nan"))
-    again = synced(run, plan)
-    for a, b in zip(first, again, strict=True):
-        assert torch.equal(a, b)
-    for bad in (dict(SWAP=True), dict(CHUNKS_PER_ITER=2), dict(SPLIT=True)):
-        with pytest.raises(ValueError, match="CHAINED takes SWAP=False"):
-            fwd_pass_state_plan(kw["x"], kw["B"], up.dt.to(device), up.dA.to(device),
-                                config=dict(CHAINED=True, **bad))
 
 
 # Against the default config ----------------------------------------------------------------------
@@ -173,23 +135,6 @@ def test_compile_fwd_pass_state(v, arch):
     init = meta(BATCH, NHEADS, v["p"], v["n"]) if v["init"] else None
     assert compiles(fwd_pass_state_plan(x, B, dt_out, dA, init, seq, states_dtype=v["states"]),
                     arch)
-
-
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
-@pytest.mark.parametrize("dstate", [128, 256])
-def test_compile_chained_candidates(dstate, arch):
-    """CHAINED (not yet in the search space: it has not run on a GPU) compiles, every candidate
-    to time, with packed sequences and initial states."""
-    v = dict(dtype=torch.bfloat16, chunk=256, p=64, n=dstate, init=True, seq=True,
-             states=torch.bfloat16)
-    x, B, dt_out, dA, seq = meta_inputs(v)
-    init = meta(BATCH, NHEADS, v["p"], v["n"])
-    base = state_mod.default_config(headdim=64, dstate=dstate)
-    configs = state_mod.chained_candidates(base) if arch == "sm_90" else [{"CHAINED": True}]
-    for config in configs:
-        plan = fwd_pass_state_plan(x, B, dt_out, dA, init, seq, states_dtype=v["states"],
-                                   config=config)
-        assert compiles(plan, arch), config
 
 
 # (dstate, kind, which config of the search space, architectures), after the default config

@@ -34,9 +34,7 @@ chunk, variant) in N spawned processes (each frees its inputs after each job: a 
 ten of the 64K x dstate 256 steps at once).
 
 Output: a line per (shape, chunk, variant) and ``--out``'s CSV, one row each (written after every
-shape, so a run cut short keeps what it measured). A variant whose launch never ends (a kernel
-that waits on other blocks, run on a GPU for the first time) hangs the run: run such under
-``timeout``.
+shape, so a run cut short keeps what it measured).
 """
 import argparse
 import multiprocessing as mp
