@@ -421,7 +421,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
 # operator too, ``torch.ops.mamba2_cutile.ssd_backward``, whose fake gives the gradients' shapes.
 # It returns one tensor per input of ``INPUTS``, in that input's dtype (``input_dtypes``: rounded
 # once from float32, as autograd would, but without a float32 copy of dx alive beside it), and an
-# empty float32 one for each input that is not given or whose gradient is not wanted.
+# empty float32 one for each input that is not given or whose gradient is not wanted. Its work,
+# ``ssd_backward``, is callable directly: eager training steps do (``ops.torch_op.EagerAutograd``).
 
 def _gradient_shapes(x, dt, A, B, C, D, z, dt_bias, initial_states, wanted):
     inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
@@ -429,8 +430,7 @@ def _gradient_shapes(x, dt, A, B, C, D, z, dt_bias, initial_states, wanted):
             for t, w in zip(inputs, wanted, strict=True)]
 
 
-@torch.library.custom_op("mamba2_cutile::ssd_backward", mutates_args=())
-def backward_op(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt: Tensor,
+def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt: Tensor,
                 A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
                 dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
                 seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], *, chunk_size: int,
@@ -452,6 +452,9 @@ def backward_op(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt:
                         states_dtype=state_dtype or x.dtype, wanted=names, input_dtypes=True)
     return [g["d" + n] if n in names else x.new_empty((0,), dtype=torch.float32)
             for n in INPUTS]
+
+
+backward_op = torch.library.custom_op("mamba2_cutile::ssd_backward", ssd_backward, mutates_args=())
 
 
 @backward_op.register_fake

@@ -23,7 +23,7 @@ _REPLAYS = {}
 CACHE_SIZE = 256
 
 # The tensor types a replay takes as inputs (a model's A, D, dt_bias are parameters).
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def call_key(tensors, options):
@@ -42,7 +42,7 @@ def call_key(tensors, options):
         if t is None:
             parts.append(None)
             continue
-        if type(t) not in _PLAIN or (grad and t.requires_grad):
+        if type(t) not in PLAIN or (grad and t.requires_grad):
             return None
         parts.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16,
                       ids.index(ids[i])))

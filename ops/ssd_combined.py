@@ -100,9 +100,16 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         from .torch_op import forward
         out, final_states, varlen_states = forward(
             *tensors, seq_idx, cu_seqlens, backend="reference", **options)
+    elif (wants_grad and not torch.compiler.is_compiling()
+          and all(t is None or type(t) in replay.PLAIN
+                  for t in tensors + (seq_idx, cu_seqlens))):
+        # Eager with a gradient: the operator's work and its backward, without its dispatch.
+        from .torch_op import EagerAutograd
+        out, final_states, varlen_states = EagerAutograd.apply(
+            *tensors, seq_idx, cu_seqlens, dict(backend=resolved, **options))
     elif wants_grad or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
-        # Traced (torch.compile, export, fake tensors), or a gradient is needed: the custom
-        # operator, opaque to the tracer, with its backward registered (ops.torch_op).
+        # Traced (torch.compile, export, fake tensors), or a gradient of a tensor subclass: the
+        # custom operator, opaque to the tracer, with its backward registered (ops.torch_op).
         from .torch_op import ssd_forward
         out, final_states, varlen_states = ssd_forward(
             *tensors, seq_idx, cu_seqlens, backend=resolved, **options)

@@ -375,6 +375,36 @@ def test_cuda_graph_replay_equals_eager():
 
 
 @pytest.mark.gpu
+def test_cuda_graph_replays_a_training_step():
+    """Forward and backward through the operator, captured in one CUDA graph (as a model's whole
+    training step is) and replayed onto NaN-filled gradients: bitwise the eager step's gradients
+    (the backward has no atomics and no host synchronisation)."""
+    kw = gpu_problem(seq_boundaries=[40])
+    leaves = {k: (v.detach().requires_grad_() if v.is_floating_point() else v)
+              for k, v in kw.items()}
+    dout = torch.randn(kw["x"].shape, device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(5)).to(kw["x"].dtype)
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=32, **OPTIONS, backend="cutile")
+        out.backward(dout)
+        return [t.grad for t in leaves.values() if t.is_floating_point()]
+
+    eager = [g.clone() for g in step()]
+    from tests.benchmark import capture_graph
+    graph, captured = capture_graph(step)
+    for g in captured:
+        g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert len(captured) == len(eager) >= 7
+    for e, c in zip(eager, captured, strict=True):
+        assert torch.equal(e, c)
+
+
+@pytest.mark.gpu
 def test_replayed_calls_on_gpu_equal_fresh_ones(monkeypatch):
     from ops import replay
     runs = _replayed_runs(monkeypatch)
@@ -759,8 +789,8 @@ def test_the_parallel_compile_worker_runs_a_candidate():
 
 
 def test_autograd_grad_and_checkpointing_give_the_same_gradients():
-    """torch.autograd.grad, and the call inside torch.utils.checkpoint (recomputed in the
-    backward), give loss.backward()'s gradients bitwise."""
+    """torch.autograd.grad, the call inside torch.utils.checkpoint (recomputed in the backward)
+    and torch.func.grad give loss.backward()'s gradients bitwise."""
     from torch.utils.checkpoint import checkpoint
     kw = problem(torch.float32, seq_boundaries=[40])
     x = kw["x"].clone().requires_grad_(True)
@@ -773,3 +803,6 @@ def test_autograd_grad_and_checkpointing_give_the_same_gradients():
     x.grad = B.grad = None
     checkpoint(run, x, B, use_reentrant=False).backward()
     assert torch.equal(x.grad, expected[0]) and torch.equal(B.grad, expected[1])
+    # torch.func's transforms too (the eager path is an autograd.Function with setup_context)
+    got = torch.func.grad(run, argnums=(0, 1))(kw["x"], kw["B"])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

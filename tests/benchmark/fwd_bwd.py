@@ -2,7 +2,7 @@
 side by side.
 
     python -m tests.benchmark.fwd_bwd [--models mamba2-2.7b-train ...] [--grid] [--chunks 256,128]
-        [--impls triton,cutile,tilegym] [--warm-procs 16] [--out F.csv] [--plot F.png]
+        [--impls triton,cutile,tilegym] [--warm-procs 16] [--graph] [--out F.csv] [--plot F.png]
 
 Shapes: the model shapes of ``tests/benchmark/models.py`` (``--models``; all by default) and, with
 ``--grid``, batch 1 x L in {4K, 16K, 64K} x dstate in {64, 128, 256}, 80 heads of headdim 64,
@@ -23,6 +23,9 @@ Per implementation and chunk (the caller's, as a model passes it):
     fwd_bwd_ms   median of ``triton.testing.do_bench`` of one step: the forward with x, dt, A, B,
                  C, D and dt_bias requiring gradients, then ``out.backward(dout)``
     fwd_ms       the forward alone, without gradients
+    graph_ms     with ``--graph``: the same step captured once in a CUDA graph and replayed
+                 (median of ``do_bench``), i.e. the GPU's time without the host's between
+                 launches; NaN where the capture fails (its error is printed)
     first_s      the first step (compilation and autotuning included; after ``--warm-procs``
                  processes compiled it, so mostly the disk cache's load)
     peak_mib     memory allocated during one step beyond what was allocated before it
@@ -112,7 +115,24 @@ def _setup(shape):
     return inputs, dout
 
 
-def measure(impl, chunk, inputs, dout, timed=True):
+def _graph_ms(step):
+    """The median time of ``step`` replayed from a CUDA graph, or NaN where capturing fails."""
+    from triton.testing import do_bench
+
+    from tests.benchmark import capture_graph
+    try:
+        graph, _ = capture_graph(step)     # the step's tensors then live in the graph's pool
+    except Exception as e:
+        print(f"    CUDA graph capture failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        torch.cuda.synchronize()
+        return float("nan")
+    ms = do_bench(graph.replay, warmup=50, rep=300)
+    del graph
+    torch.cuda.empty_cache()
+    return ms
+
+
+def measure(impl, chunk, inputs, dout, timed=True, graph=False):
     """-> (row of timings, the gradients of one step)."""
     from triton.testing import do_bench
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
@@ -136,8 +156,11 @@ def measure(impl, chunk, inputs, dout, timed=True):
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     fwd_bwd = do_bench(step, warmup=50, rep=300)
     fwd = do_bench(forward, warmup=50, rep=200)
-    return dict(impl=impl, chunk=chunk, **computed_chunks(impl, chunk, inputs),
-                fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first, peak_mib=peak), g
+    row = dict(impl=impl, chunk=chunk, **computed_chunks(impl, chunk, inputs),
+               fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first, peak_mib=peak)
+    if graph:                           # last: the captured step keeps its own memory
+        row["graph_ms"] = _graph_ms(step)
+    return row, g
 
 
 def computed_chunks(impl, chunk, inputs):
@@ -227,6 +250,8 @@ def main(argv=None):
                         help="warm processes sharing one shape's TileGym configs (--warm-procs)")
     parser.add_argument("--warm-procs", type=int, default=0,
                         help="compile every first step in this many processes first")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time each step replayed from a CUDA graph (graph_ms)")
     parser.add_argument("--out", help="CSV file to write")
     parser.add_argument("--plot", help="figure (PNG) to write")
     args = parser.parse_args(argv)
@@ -258,7 +283,7 @@ def main(argv=None):
         base = ref = None               # Triton's row and gradients: the baseline, or none
         for impl, chunk in _runs(shape, impls, chunks, args.tilegym_chunk):
             try:
-                row, grads = measure(impl, chunk, inputs, dout)
+                row, grads = measure(impl, chunk, inputs, dout, graph=args.graph)
             except Exception as e:
                 print(f"{name:24s} {impl:7s} chunk {chunk:3d}: FAILED {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)
@@ -277,7 +302,9 @@ def main(argv=None):
             print(f"{name:24s} {impl:7s} chunk {chunk:3d}{computed}: fwd+bwd "
                   f"{row['fwd_bwd_ms']:7.3f} ms ({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
                   f"{row['first_s']:.1f} s, peak +{row['peak_mib']:.0f} MiB, grad diff <= "
-                  f"{max(diffs) if diffs else nan:.1e}", flush=True)
+                  f"{max(diffs) if diffs else nan:.1e}"
+                  + (f", graphed {row['graph_ms']:.3f} ms" if "graph_ms" in row else ""),
+                  flush=True)
         del inputs, dout
         if args.out and rows:           # after every shape: a run cut short keeps what it has
             from tests.benchmark.report import write_csv
