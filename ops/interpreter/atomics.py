@@ -34,7 +34,7 @@ from ..cutile_internals import is_float, is_integral
 from .arguments import as_tile, constant
 from .dtypes import convert, is_scalar, storage
 from .errors import KernelTypeError, KernelValueError
-from .memory import _check_implicit_cast
+from .memory import implicit_cast
 from .registry import emulates
 from .values import Array, Tile
 
@@ -89,8 +89,8 @@ def operand_values(op, value, dtype, shape, what, bitwise, shape_name="index"):
         raise KernelTypeError(f"{op}: {what} dtype {value.dtype} must exactly match the "
                               f"array dtype {dtype} (bitwise atomics do not cast)")
     try:
-        _check_implicit_cast(op, value, dtype)
-    except KernelTypeError:
+        implicit_cast(op, what, value, dtype)
+    except (KernelTypeError, KernelValueError):     # the compiler: a type error for atomics
         raise KernelTypeError(f"{op}: {what} of dtype "
                               f"{value.dtype if isinstance(value, Tile) else repr(value)} "
                               f"cannot be implicitly cast to the {dtype} array") from None

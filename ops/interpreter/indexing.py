@@ -28,9 +28,8 @@ from cuda.tile import PaddingMode
 
 from ..cutile_internals import is_boolean, is_integral, is_signed
 from .arguments import check_shape, constant
-from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError
-from .memory import _padding_value, padding_fill
+from .memory import _padding_value, implicit_cast, padding_fill
 from .registry import emulates
 from .values import Array, Tile
 
@@ -66,32 +65,6 @@ def _broadcastable_to(shape, target):
         return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
     except RuntimeError:
         return False
-
-
-def _cast_to_array(op, what, value, dtype):
-    """`value` (tile or scalar) as a tensor of `dtype`'s storage, by cuTile's implicit cast."""
-    if isinstance(value, Tile):
-        if not widens_to(value.dtype, dtype):
-            raise KernelTypeError(f"{op}: cannot implicitly cast the {value.dtype} `{what}` "
-                                  f"to the {dtype} array; use .astype({dtype}) first")
-        return convert(value._t, value.dtype, dtype)
-    if not is_scalar(value):
-        raise KernelTypeError(f"{op}: `{what}` must be a tile or a scalar, "
-                              f"got {type(value).__name__}")
-    # The compiler's rule for Python constants: 0 and 1 may become booleans,
-    # otherwise the constant's kind (bool < int < float) must not exceed the array's.
-    value_kind = kind(dtype_of_scalar(value))
-    if is_boolean(dtype):
-        if value_kind == 2 or value not in (0, 1):
-            raise KernelTypeError(f"{op}: cannot implicitly cast `{what}` {value!r} to {dtype}")
-    elif value_kind > kind(dtype):
-        raise KernelTypeError(f"{op}: cannot implicitly cast `{what}` {value!r} to {dtype}")
-    elif value_kind == 1 and kind(dtype) == 1:
-        info = torch.iinfo(storage(dtype))
-        if not info.min <= value <= info.max:
-            raise KernelValueError(f"{op}: `{what}` {value} is out of range of {dtype}")
-    # Round the exact Python value once, as the compiler does for constants.
-    return constant(value, dtype)
 
 
 def _index_items(op, array, indices):
@@ -211,7 +184,7 @@ def _indexed_operand(op, array, indices, value, what, mask, check_bounds, latenc
     idx, shape = _index_items(op, array, indices)
     check_bounds = _check_bounds_flag(op, check_bounds)
     _check_hints(op, latency)
-    data = _cast_to_array(op, what, value, array.dtype)
+    data = implicit_cast(op, f"`{what}`", value, array.dtype)
     if not _broadcastable_to(data.shape, shape):
         raise KernelTypeError(f"{op}: `{what}` shape {tuple(data.shape)} is not "
                               f"broadcastable to the index shape {shape}")
@@ -334,6 +307,6 @@ def store_advanced_indexing(array, indices, tile, /, *, latency=None, allow_tma=
         got = tile.shape if isinstance(tile, Tile) else type(tile).__name__
         raise KernelTypeError(f"{op}: `tile` must be a tile of exactly the shape {shape} "
                               f"implied by the indices, got {got}")
-    data = _cast_to_array(op, "tile", tile, array.dtype)
+    data = implicit_cast(op, "`tile`", tile, array.dtype)
     _write(op, array, [t[inside] for t in idx], data[inside])
 

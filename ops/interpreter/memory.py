@@ -179,20 +179,32 @@ def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERM
     return Tile(data.reshape(shape), array.dtype)
 
 
-def _check_implicit_cast(op, value, dtype):
-    """A store may widen (bf16 tile -> f32 array) but never narrow implicitly."""
+def implicit_cast(op, what, value, dtype):
+    """``value`` (a tile or a Python scalar) as a tensor of ``dtype``'s storage, by cuTile's
+    implicit cast into an array (store, scatter, atomics), as its compiler rules (each case
+    compiled for sm_90, ``tests/interpreter/test_memory.py``): a tile may widen but never narrow;
+    a Python constant 0 or 1 (bool or int) may become a boolean, any other constant's kind (bool <
+    int < float) must not exceed the array's, and an integer must lie in the array's range
+    (else a value error, as the compiler's). A constant is rounded once, as the compiler's."""
     if isinstance(value, Tile):
         if not widens_to(value.dtype, dtype):
-            raise KernelTypeError(f"{op}: cannot implicitly cast a {value.dtype} tile to "
+            raise KernelTypeError(f"{op}: cannot implicitly cast a {value.dtype} {what} to "
                                   f"the {dtype} array; use .astype({dtype}) first")
-        return
+        return convert(value._t, value.dtype, dtype)
+    if not is_scalar(value):
+        raise KernelTypeError(f"{op}: {what} must be a tile or a scalar, "
+                              f"got {type(value).__name__}")
     value_kind = kind(dtype_of_scalar(value))
-    if value_kind > kind(dtype) or (is_boolean(dtype) and value not in (0, 1)):
-        raise KernelTypeError(f"{op}: cannot implicitly cast {value!r} to {dtype}")
-    if value_kind == 1 and kind(dtype) == 1:
+    if is_boolean(dtype):
+        if value_kind == 2 or value not in (0, 1):
+            raise KernelTypeError(f"{op}: cannot implicitly cast {what} {value!r} to {dtype}")
+    elif value_kind > kind(dtype):
+        raise KernelTypeError(f"{op}: cannot implicitly cast {what} {value!r} to {dtype}")
+    elif value_kind == 1 and kind(dtype) == 1:
         info = torch.iinfo(storage(dtype))
         if not info.min <= value <= info.max:
-            raise KernelTypeError(f"{op}: {value} is out of range of {dtype}")
+            raise KernelValueError(f"{op}: {what} {value} is out of range of {dtype}")
+    return constant(value, dtype)
 
 
 @emulates("store")
@@ -203,11 +215,7 @@ def store(array, /, index, tile, *, order="C", check_bounds=True, latency=None,
     index = _index(op, array, index)
     if not isinstance(tile, Tile) and not is_scalar(tile):
         raise KernelTypeError(f"{op}: can only store a tile or a scalar, got {type(tile).__name__}")
-    _check_implicit_cast(op, tile, array.dtype)
-    if isinstance(tile, Tile):
-        data = convert(tile._t, tile.dtype, array.dtype)
-    else:
-        data = constant(tile, array.dtype)       # rounded once, as the compiler's constant
+    data = implicit_cast(op, "tile", tile, array.dtype)
     if data.dim() == 0:
         data = data.reshape((1,) * array.ndim)  # scalars are stored as 1x..x1 tiles
     elif data.dim() != array.ndim:

@@ -122,6 +122,50 @@ def test_store_widens_implicitly_but_never_narrows():
         launch(1, narrow_it, (x, narrow))
 
 
+@ct.kernel
+def store_constant(out, idx, SCATTER: ct.Constant[bool], VALUE: ct.Constant[int]):
+    if SCATTER:
+        ct.scatter(out, ct.load(idx, (0,), (4,)), VALUE)
+    else:
+        ct.store(out, (0,), VALUE)
+
+
+@pytest.mark.parametrize("how", ["store", "scatter"])
+@pytest.mark.parametrize("dtype,value,error", [
+    (torch.bool, 1, None), (torch.bool, 0, None), (torch.bool, 2, KernelTypeError),
+    (torch.int8, 127, None), (torch.int8, 300, KernelValueError), (torch.int8, -129, KernelValueError)],
+    ids=["1-to-bool", "0-to-bool", "2-to-bool", "127-to-int8", "300-to-int8", "-129-to-int8"])
+def test_python_constants_cast_as_the_compiler_casts_them(how, dtype, value, error):
+    """A Python integer stored or scattered into an array: the interpreter accepts what the
+    compiler compiles (0 and 1 become booleans; an integer in the array's range), refuses the
+    rest with the compiler's kind of error (a type error for a kind the array cannot hold, a
+    value error out of range), and store and scatter agree. The compiler's answer is asked for
+    each case, by compiling the same kernel for sm_90."""
+    import cuda.tile.compilation as cc
+    from cuda.tile._exception import InvalidValueError, TypeCheckingError
+
+    from tests.interpreter.helpers import array_constraint, compile_for_sm90
+    params = [array_constraint(getattr(ct, "bool_" if dtype == torch.bool else "int8"), 1),
+              array_constraint(ct.int32, 1), cc.ConstantConstraint(how == "scatter"),
+              cc.ConstantConstraint(value)]
+    compiler_error = {None: None, KernelTypeError: TypeCheckingError,
+                      KernelValueError: InvalidValueError}[error]
+    if compiler_error is None:
+        assert len(compile_for_sm90(store_constant, params)) > 0
+    else:
+        with pytest.raises(compiler_error):
+            compile_for_sm90(store_constant, params)
+    out = torch.zeros(4, dtype=dtype) if value else torch.ones(4, dtype=dtype)
+    idx = torch.arange(4, dtype=torch.int32)
+    if error is None:
+        launch(1, store_constant, (out, idx, how == "scatter", value))
+        written = out[:1] if how == "store" else out
+        assert torch.equal(written, torch.full_like(written, value))
+    else:
+        with pytest.raises(error, match="implicitly cast|out of range"):
+            launch(1, store_constant, (out, idx, how == "scatter", value))
+
+
 @pytest.mark.parametrize("case,error,message", [
     ("shape_not_pow2", KernelTypeError, r"ct.load shape \(48,\) must be powers of two"),
     ("index_rank", KernelTypeError, "has 2 entries but the array has rank 1"),
