@@ -166,6 +166,10 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chu
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(*inputs)
     ctx.options = keyword_only_inputs
+    # An output the loss does not use (final_states, most often) comes back as None, not as a
+    # tensor of zeros (the size of the final states, alive through the backward's peak); a
+    # traced step's AOT autograd passes zeros all the same.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dfinal, dvarlen):
@@ -223,6 +227,7 @@ class EagerAutograd(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         *tensors, ctx.options = inputs
         ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)      # as the operator's (_setup_context)
 
     @staticmethod
     def backward(ctx, dout, dfinal, dvarlen):

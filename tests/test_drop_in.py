@@ -788,6 +788,26 @@ def test_the_parallel_compile_worker_runs_a_candidate():
     assert not ok and message.startswith("ValueError: HEADS_PER_BLOCK (3) must be 1, 2 or 4")
 
 
+def test_an_unused_outputs_gradient_is_not_materialised(monkeypatch):
+    """An eager loss of out alone hands the backward no final-state gradient (None, not a
+    tensor of zeros the size of the final states, alive through the backward's peak), and one of
+    the final states alone no output gradient. (Traced, AOT autograd passes zeros.)"""
+    import ops.torch_op as torch_op
+    seen = []
+    real = torch_op._gradients
+    monkeypatch.setattr(torch_op, "_gradients", lambda ctx, dout, dfinal, eager: (
+        seen.append((dout is None, dfinal is None)) or real(ctx, dout, dfinal, eager)))
+    kw = problem(torch.float32)
+    x = kw["x"].clone().requires_grad_(True)
+    call = lambda x: mamba_chunk_scan_combined(**{**kw, "x": x}, chunk_size=32, **OPTIONS,
+                                               return_final_states=True, backend="interpret")
+    out, final = call(x)
+    out.square().sum().backward()
+    out, final = call(x)
+    final.sum().backward()
+    assert seen == [(False, True), (True, False)]
+
+
 def test_autograd_grad_and_checkpointing_give_the_same_gradients():
     """torch.autograd.grad, the call inside torch.utils.checkpoint (recomputed in the backward)
     and torch.func.grad give loss.backward()'s gradients bitwise."""
