@@ -10,7 +10,9 @@ the specification, step by step, and names the same quantities):
                                                               z, dy is dout and nothing runs)
     (c) bwd_compute_out    its dentry launch: dy -> dentry
     (b) bwd_pass_state     dentry, dfinal -> dS, ddA_cumsum at each chunk's last token,
-                           dinitial                          (the chunks in reverse order)
+                           dinitial                          (the chunks in reverse order;
+                           with its config FUSE_ENTRY it forms dentry itself from dy and C,
+                           and the dentry launch does not run)
     (c) bwd_compute_out    its token launch: dy, dS, D -> dx (complete, in its final dtype),
                            dB, dC (each summed over its group's heads), ddt_out, ddA_cumsum,
                            dD's partials: compute_out's gradients, those through each chunk's
@@ -83,6 +85,7 @@ from .bwd_chunk_states import default_config as chunk_states_config
 from .bwd_compute_out import bwd_compute_out_plan
 from .bwd_compute_out import default_config as compute_out_config
 from .bwd_pass_state import bwd_pass_state
+from .bwd_pass_state import default_config as pass_state_config
 from .compute_chunk import backward_chunk
 from .configs import resolve_config
 from .launch import run
@@ -115,11 +118,11 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
                       configs=None):
     """The bytes of the tensors ``kernel_backward`` (with ``input_dtypes=True``, as the operator
     calls it) holds beyond its inputs and dout at each of its steps, with the default configs
-    (or ``configs``, as ``kernel_backward`` takes them: ``bwd_compute_out``'s and
-    ``bwd_chunk_states``' change the count), as this module's docstring lists them: a dict of
-    step -> {tensor: bytes}, and "peak" -> (step, bytes). Inputs are taken contiguous (views are
-    copied, and dout in x's dtype: otherwise dy is a copy of it). Every tensor is counted, the
-    (b, h, c, l) ones too."""
+    (or ``configs``, as ``kernel_backward`` takes them: ``bwd_compute_out``'s,
+    ``bwd_chunk_states``' and ``bwd_pass_state``'s change the count), as this module's docstring
+    lists them: a dict of step -> {tensor: bytes}, and "peak" -> (step, bytes). Inputs are
+    taken contiguous (views are copied, and dout in x's dtype: otherwise dy is a copy of it).
+    Every tensor is counted, the (b, h, c, l) ones too."""
     from .bwd_compute_out import default_config as out_config
     configs = configs or {}
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
@@ -137,6 +140,12 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     out_cfg = resolve_config(configs.get("bwd_compute_out"), out_config(**shape))
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
+    entry_dtype = states_dtype or dtype
+    if entry_dtype not in (dtype, torch.float32):
+        entry_dtype = torch.float32                           # widened, as kernel_backward does
+    fuse_entry = resolve_config(configs.get("bwd_pass_state"), pass_state_config(
+        headdim=headdim, dstate=dstate, dtype=entry_dtype))["FUSE_ENTRY"]
+    dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
     width = nheads * headdim
     slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
     ds = e if dtype == torch.bfloat16 else f32
@@ -171,10 +180,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     steps = {
         "recompute": recompute,
         "gate": gate,
-        "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se,
-                                 "dentry": states * f32},
+        "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se, **dentry},
         "pass_state": {**base, **kept, **dy, "entry states": states * se,
-                       "dentry": states * f32, "dS": states * ds, "dinitial": final,
+                       **dentry, "dS": states * ds, "dinitial": final,
                        "d dA[last] partials": chunked // chunk_size * 2},
         "compute_out's tokens": {**base, **kept, **dy, **dinit, **last, "entry states": states * se,
                                  "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
@@ -351,14 +359,21 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         ngroups=B.shape[2], batch=batch, seqlen=seqlen))["FUSE_STATES"]
 
     # compute_out's dentry first, the pass over the states, then compute_out's token kernel:
-    # dentry is freed before the token kernel's dx exists (see "Memory").
-    dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,
-                                       launches="entry"))
+    # dentry is freed before the token kernel's dx exists (see "Memory"). With the pass' config
+    # FUSE_ENTRY the pass forms dentry itself, from dy and C: no dentry buffer, no entry launch.
+    ps_config = configs.get("bwd_pass_state")
+    fuse_entry = resolve_config(ps_config, pass_state_config(
+        headdim=x.shape[3], dstate=B.shape[3], dtype=entry.dtype))["FUSE_ENTRY"]
+    dentry = None
+    if not fuse_entry:
+        dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,
+                                           launches="entry"))
     # bf16 inputs: the products round dS to bf16, so it is stored so.
     ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     dS, ddA_last, dinitial = bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx,
-                                            poison=poison, config=configs.get("bwd_pass_state"),
-                                            ds_dtype=ds_dtype)
+                                            poison=poison, config=ps_config, ds_dtype=ds_dtype,
+                                            dy=dy if fuse_entry else None,
+                                            C=C_ if fuse_entry else None)
     del dentry
     if initial_states is None:
         del dinitial                           # no input to give it to

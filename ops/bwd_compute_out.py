@@ -342,7 +342,17 @@ def bwd_entry_kernel(
     h = (ct.bid(0) // n_tiles) % nheads
     c = ct.bid(0) // (n_tiles * nheads)
     b = ct.bid(1)
-    g = h // heads_per_group
+    acc = entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group, pi, ni,
+                         CHUNK, BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS)
+    ct.store(dentry, (b, c, h, pi, ni), ct.reshape(acc, (1, 1, 1, BLOCK_P, BLOCK_N)))
+
+
+def entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, g, pi, ni, CHUNK, BLOCK_T, BLOCK_P,
+                   BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS):
+    """Tile (pi, ni) of dentry[c] for head h (of group g): the sum over the chunk's tokens of
+    w[l] outer(dy[l], C[l]), (BLOCK_P, BLOCK_N) float32, over BLOCK_T-token tiles in order (the
+    tiles past seqlen skipped). ``bwd_entry_kernel``'s work, and ``bwd_pass_state``'s with
+    FUSE_ENTRY."""
     TILES = CHUNK // BLOCK_T
     valid = min(TILES, ct.cdiv(dy.shape[1] - c * CHUNK, BLOCK_T))
     op = dy.dtype if BF16_OPERANDS else ct.float32
@@ -357,7 +367,7 @@ def bwd_entry_kernel(
                                  padding_mode=ZERO), (BLOCK_T, BLOCK_N))
         w_dy = (dy_t.astype(ct.float32) * w_t[:, None]).astype(op)
         acc = ct.mma(ct.transpose(w_dy), c_t.astype(op), acc)
-    ct.store(dentry, (b, c, h, pi, ni), ct.reshape(acc, (1, 1, 1, BLOCK_P, BLOCK_N)))
+    return acc
 
 
 # Configs and launching -------------------------------------------------------------------------

@@ -26,16 +26,24 @@ bf16 inputs, whose chunk_states products round dS to bf16 anyway (half the bytes
 downstream). Tunables (``default_config`` / ``search_space``): the state tile BLOCK_P x BLOCK_N
 (``fwd_pass_state.pick_tiles`` by default), LOAD_LAT (latency hint of the dentry and entry
 loads), STORE_LAT (of the dS stores), and the compiler hints occupancy and num_worker_warps.
+
+FUSE_ENTRY=True (not in the search space: it takes other inputs) forms each chunk's dentry tile
+in the walk itself, from dy and C (``bwd_compute_out.entry_gradient``, over ENTRY_BLOCK_T-token
+tiles), as the forward's pass forms each chunk's own state from x and B: no dentry buffer
+((b, c, h, p, n) float32, the backward's peak at chunk 128) and no entry launch, for a walk that
+does a product per chunk. ``ops/backward.py`` runs it with ``configs={"bwd_pass_state":
+{"FUSE_ENTRY": True}}``; not yet timed on a GPU, so off by default.
 """
 import torch
 
 import cuda.tile as ct
 
+from .bwd_compute_out import entry_gradient
 from .configs import resolve_config, unique, with_hints
 from .fwd_pass_state import load_state, pick_tiles
 from .launch import Plan, fit_index_width, run
 from .utils import (ZERO, ConstBool, ConstInt, as_int32, cdiv, is_pow2_in, latency_hint,
-                    multiprocessors, new_output, tile_size)
+                    multiprocessors, new_output, tile_size, unread_stand_in)
 
 
 def chunk_state_tile(array, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT=0):
@@ -56,11 +64,17 @@ def bwd_pass_state_kernel(
     dS: ct.IndexedWithInt64,           # (batch, nchunks, nheads, headdim, dstate), ds_dtype
     da_parts,                          # (batch, nheads, nchunks, tiles) float32
     dinitial,                          # (batch, nheads, headdim, dstate) float32
+    dy: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim); read if FUSE_ENTRY
+    C: ct.IndexedWithInt64,            # (batch, seqlen, ngroups, dstate); read if FUSE_ENTRY
+    heads_per_group: int,
     CHUNK: ConstInt,
     BLOCK_P: ConstInt,
     BLOCK_N: ConstInt,
+    ENTRY_BLOCK_T: ConstInt,           # token tile of dentry's product (FUSE_ENTRY)
     HAS_DFINAL: ConstBool,
     HAS_SEQ_IDX: ConstBool,
+    FUSE_ENTRY: ConstBool,             # dentry formed here from dy and C (dentry unread)
+    BF16_OPERANDS: ConstBool,          # dentry's product in dy's dtype (bf16), else float32
     LOAD_LAT: ConstInt,                # latency hint of the dentry and entry loads; 0 = none
     STORE_LAT: ConstInt,               # latency hint of the dS stores; 0 = none
 ):
@@ -87,7 +101,13 @@ def bwd_pass_state_kernel(
             a = ct.where(seq_end == seq_start, a, 0.0)
         e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
         ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
-        g = a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
+        if FUSE_ENTRY:
+            d_own = entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group, pi,
+                                   ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
+                                   BF16_OPERANDS)
+        else:
+            d_own = chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
+        g = a * g + d_own
     ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
 
 
@@ -103,7 +123,7 @@ def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
         states = torch.float32
     bp, bn = pick_tiles(headdim, dstate, states)
     return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
-                num_worker_warps=None)
+                num_worker_warps=None, FUSE_ENTRY=False, ENTRY_BLOCK_T=64)
 
 
 def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
@@ -130,15 +150,20 @@ def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
 
 
 def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=None,
-                        block_n=None, poison=False, config=None, ds_dtype=torch.float32):
+                        block_n=None, poison=False, config=None, ds_dtype=torch.float32,
+                        dy=None, C=None):
     """The launch (an ``ops.launch.Plan``; outputs dS (in ``ds_dtype``), the per-tile partials of
     d dA[last], dinitial). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
     ``search_space`` (or part of one; missing keys take ``default_config``'s values);
-    ``block_p`` / ``block_n``, when given, override its tiles."""
+    ``block_p`` / ``block_n``, when given, override its tiles. With FUSE_ENTRY the kernel forms
+    dentry itself from ``dy`` (b, L, h, p) and ``C`` (b, L, g, n), contiguous, which it then
+    needs, and ``dentry`` is not read (None will do)."""
     batch, nchunks, nheads, headdim, dstate = entry.shape
     chunk_size = dA_cumsum.shape[3]
     cfg = resolve_config(config, default_config(headdim=headdim, dstate=dstate,
                                                 dtype=entry.dtype))
+    fuse = bool(cfg["FUSE_ENTRY"])
+    _check_entry_inputs(fuse, dentry, dy, C, entry, chunk_size, cfg["ENTRY_BLOCK_T"])
     bp = min(block_p or cfg["BLOCK_P"], tile_size(headdim))
     bn = min(block_n or cfg["BLOCK_N"], tile_size(dstate))
     if not (is_pow2_in(bp, 1, 1024) and is_pow2_in(bn, 1, 1024)):
@@ -150,21 +175,52 @@ def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=
     da_parts = new_output((batch, nheads, nchunks, tiles), torch.float32, entry.device, poison)
     dinitial = new_output((batch, nheads, headdim, dstate), torch.float32, entry.device, poison)
     seq_idx = as_int32(seq_idx)
-    args = (dentry, dfinal if dfinal is not None else dinitial, entry, dA_cumsum,
+    device = entry.device
+    args = (dentry if not fuse else unread_stand_in(device, 5),
+            dfinal if dfinal is not None else dinitial, entry, dA_cumsum,
             seq_idx if seq_idx is not None else dA_cumsum, dS, da_parts, dinitial,
-            chunk_size, bp, bn, dfinal is not None, seq_idx is not None, cfg["LOAD_LAT"],
-            cfg["STORE_LAT"])
+            dy if fuse else unread_stand_in(device, 4), C if fuse else unread_stand_in(device, 4),
+            nheads // C.shape[2] if fuse else 1, chunk_size, bp, bn,
+            min(cfg["ENTRY_BLOCK_T"], chunk_size), dfinal is not None, seq_idx is not None, fuse,
+            fuse and dy.dtype == torch.bfloat16, cfg["LOAD_LAT"], cfg["STORE_LAT"])
     kernel = with_hints(fit_index_width(bwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
     return Plan((tiles, nheads, batch), kernel, args, (dS, da_parts, dinitial))
 
 
+def _check_entry_inputs(fuse, dentry, dy, C, entry, chunk_size, entry_block_t):
+    batch, nchunks, nheads, headdim, dstate = entry.shape
+    if not fuse:
+        if dentry is None:
+            raise ValueError("dentry is required unless the config has FUSE_ENTRY=True")
+        return
+    if dy is None or C is None:
+        raise ValueError("FUSE_ENTRY=True forms dentry from dy and C: pass both")
+    if dy.dim() != 4 or tuple(dy.shape[::2]) != (batch, nheads) or dy.shape[3] != headdim:
+        raise ValueError(f"dy must be (batch, seqlen, nheads, headdim) with batch {batch}, "
+                         f"nheads {nheads}, headdim {headdim}; got {tuple(dy.shape)}")
+    if (C.dim() != 4 or C.shape[:2] != dy.shape[:2] or C.shape[3] != dstate
+            or nheads % C.shape[2]):
+        raise ValueError(f"C must be (batch, seqlen, ngroups, dstate) like dy's tokens, with "
+                         f"ngroups dividing nheads {nheads} and dstate {dstate}; got "
+                         f"{tuple(C.shape)}")
+    if -(-dy.shape[1] // chunk_size) != nchunks:
+        raise ValueError(f"dy's {dy.shape[1]} tokens make {-(-dy.shape[1] // chunk_size)} "
+                         f"chunks of {chunk_size}, the entry states {nchunks}")
+    if not (dy.is_contiguous() and C.is_contiguous()):
+        raise ValueError("dy and C must be contiguous")
+    if not is_pow2_in(entry_block_t, 16, 256):
+        raise ValueError(f"ENTRY_BLOCK_T must be a power of two in [16, 256], got "
+                         f"{entry_block_t}")
+
+
 def bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx=None, poison=False, config=None,
-                   ds_dtype=torch.float32):
+                   ds_dtype=torch.float32, dy=None, C=None):
     """-> (dS (b, c, h, p, n) in ``ds_dtype`` (float32 by default), d dA_cumsum at each chunk's
     last token (b, h, c) float32, in natural-log units like
     ``reference.backward.state_passing_backward``'s, dinitial (b, h, p, n) float32).
-    ``dA_cumsum`` in the kernels' log2 units."""
+    ``dA_cumsum`` in the kernels' log2 units. ``dy`` and ``C``: for FUSE_ENTRY (see
+    ``bwd_pass_state_plan``)."""
     dS, da_parts, dinitial = run(bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx,
                                                      poison=poison, config=config,
-                                                     ds_dtype=ds_dtype))
+                                                     ds_dtype=ds_dtype, dy=dy, C=C))
     return dS, da_parts.sum(-1), dinitial

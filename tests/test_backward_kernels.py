@@ -261,6 +261,28 @@ def test_backward_kernels_take_configs_by_name(launched):
         kernel_backward(*args, **opts, configs={"bwd_chunk_state": {}})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pass_forming_dentry_itself_gives_the_same_gradients(launched, dtype):
+    """The pass' FUSE_ENTRY (dentry formed in the walk, no entry launch) against the default:
+    the same products over the same token tiles, so the same gradients up to the float32 sums'
+    order inside a product (1e-6), with packed sequences, initial states, z and a ragged end."""
+    from ops.backward import kernel_backward
+    kw = problem(dtype, seq=[20, 64], seqlen=77)
+    dout = weights(kw).to(dtype)
+    args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
+    opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
+                seq_idx=kw["seq_idx"], **OPTIONS)
+    want = kernel_backward(*args, **opts)
+    assert "bwd_entry_kernel" in launched
+    launched.clear()
+    got = kernel_backward(*args, **opts, configs={"bwd_pass_state": dict(FUSE_ENTRY=True,
+                                                                         ENTRY_BLOCK_T=16)})
+    assert "bwd_entry_kernel" not in launched and "bwd_pass_state_kernel" in launched
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-6, name
+
+
 # Memory ---------------------------------------------------------------------------------------
 
 class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
@@ -306,15 +328,21 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
             del self.live[key]
 
 
-@pytest.mark.parametrize("z, initial_states, dstate, ngroups, config", [
-    (False, False, 32, 2, None), (False, True, 32, 2, None), (True, False, 32, 2, None),
-    (True, True, 32, 2, None), (False, False, 128, 8, None),
-    (False, False, 32, 2, dict(FUSE_STATES=False)), (True, True, 32, 2, dict(FUSE_STATES=False)),
-    (False, False, 64, 1, dict(FUSE_STATES=False))],
+UNFUSED = {"bwd_compute_out": dict(FUSE_STATES=False)}
+ENTRY_IN_PASS = {"bwd_pass_state": dict(FUSE_ENTRY=True)}
+
+
+@pytest.mark.parametrize("z, initial_states, dstate, ngroups, chunk, configs", [
+    (False, False, 32, 2, 64, None), (False, True, 32, 2, 64, None), (True, False, 32, 2, 64, None),
+    (True, True, 32, 2, 64, None), (False, False, 128, 8, 64, None),
+    (False, False, 32, 2, 64, UNFUSED), (True, True, 32, 2, 64, UNFUSED),
+    (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, None),
+    (False, False, 64, 1, 16, ENTRY_IN_PASS), (True, True, 32, 2, 64, ENTRY_IN_PASS)],
     ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
-         "z-initial-unfused", "unfused-g1-chunk-states-peak"])
+         "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-pass-peak",
+         "chunk16-entry-in-pass", "z-initial-entry-in-pass"])
 def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
-                                            config):
+                                            chunk, configs):
     """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,
     D, dt_bias) never exceed ``ops.backward.memory_accounting``'s peak, which they reach within 10%
     (the accounting is not loose). The gate's slices are made small so that the full-size
@@ -324,15 +352,16 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     from memory, and with one head per group (no head splits to sum) its step is the peak, of
     which the C B^T buffer is 16%. ``FUSE_STATES=False``: the token kernel's float32 dx, then
     bwd_chunk_states' launch (with one group of eight heads its dB partials make its step the
-    peak), counted as the accounting does for that config."""
+    peak), counted as the accounting does for that config. At 16-token chunks the states
+    outweigh the tokens and the pass over them is the peak, with dentry; with the pass forming
+    dentry itself (FUSE_ENTRY) there is no dentry, and the token kernel's step is the peak."""
     import ops.backward as bwd
     monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
     shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=ngroups, dstate=dstate,
-                 chunk_size=64)
+                 chunk_size=chunk)
     kw = make_problem(**{k: v for k, v in shape.items() if k != "chunk_size"}, D="1d", z=z,
                       initial_states=initial_states, seed=1, dtype=torch.bfloat16)
     dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    configs = {"bwd_compute_out": config} if config else None
     tracker = LiveTensors()
     real = ops.launch.launch
 
@@ -346,8 +375,8 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     monkeypatch.setattr(ops.launch, "launch", paused)
     gc.collect()       # earlier tests' garbage, collected mid-count, would free reused addresses
     with tracker:
-        grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64,
-                                    D=kw["D"], z=kw.get("z"), dt_bias=kw["dt_bias"],
+        grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"],
+                                    chunk, D=kw["D"], z=kw.get("z"), dt_bias=kw["dt_bias"],
                                     initial_states=kw.get("initial_states"),
                                     input_dtypes=True, configs=configs, **OPTIONS)
     assert grads["dx"].dtype == torch.bfloat16 and grads["dB"].shape == kw["B"].shape

@@ -54,6 +54,80 @@ def test_matches_the_reference(device, case, with_dfinal):
         assert g.dtype == torch.float32 and rel_err(g.cpu(), w) < 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(), id="packed"),
+    pytest.param(dict(seq=False, dtype=torch.bfloat16), id="one-sequence-bf16"),
+    pytest.param(dict(headdim=48, dstate=40, seqlen=70), id="odd-sizes-ragged"),
+    pytest.param(dict(headdim=64, dstate=256, block_t=16), id="several-tiles-token-tiles"),
+])
+def test_fused_entry_matches_the_reference(device, case):
+    """FUSE_ENTRY: dentry formed in the walk from dy and C, against the float64 reference of
+    both steps (compute_out's dentry, then the pass). Tolerances: float32 1e-5 as above; bf16
+    operands 5e-3 (w dy rounded to bf16 for the product, 2**-9 relative per element; observed
+    1.6e-3)."""
+    from reference.backward import compute_out_backward
+    dtype, seqlen = case.get("dtype", torch.float32), case.get("seqlen", 77)
+    kw = make_problem(batch=2, seqlen=seqlen, nheads=4, headdim=case.get("headdim", 16),
+                      ngroups=2, dstate=case.get("dstate", 32), dtype=torch.float32, seed=9,
+                      seq_boundaries=None if case.get("seq") is False else [16, 37])
+    seq_idx = kw.get("seq_idx")
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"], kw["A"], 16, kw["dt_bias"], True, (0.0, 1.5))
+    entry, final = chunked.fwd_pass_state(kw["x"], kw["B"], dt_out, dA, kw["initial_states"],
+                                          seq_idx)
+    g = torch.Generator().manual_seed(9)
+    dy = torch.randn(kw["x"].shape, generator=g).to(dtype)
+    dfinal = torch.randn(final.shape, generator=g)
+    C = kw["C"].to(dtype)
+    dentry = compute_out_backward(dy.double(), kw["x"].double(), kw["B"].double(), C.double(),
+                                  dt_out.double(), dA.double(), entry.double(), seq_idx)[-1]
+    want = state_passing_backward(dentry, dfinal.double(), entry.double(), final.double(),
+                                  dA.double(), seq_idx)
+    to = lambda t: None if t is None else t.to(device)
+    config = dict(FUSE_ENTRY=True, ENTRY_BLOCK_T=case.get("block_t", 64))
+    got = bwd_pass_state(None, to(dfinal), to(entry), to((dA * LOG2E).float()), to(seq_idx),
+                         poison=True, config=config, dy=to(dy), C=to(C))
+    tol = 5e-3 if dtype == torch.bfloat16 else 1e-5
+    for g_, w in zip(got, (want[0], want[1][..., -1], want[2]), strict=True):
+        assert rel_err(g_.cpu(), w) < tol, rel_err(g_.cpu(), w)
+
+
+def test_fused_entry_checks_its_inputs():
+    p = problem()
+    args = (p["dentry"], p["dfinal"], p["entry"], (p["dA"] * LOG2E).float(), p["seq_idx"])
+    dy = torch.randn(2, 77, 4, 16)
+    C = torch.randn(2, 77, 2, 32)
+    fused = dict(FUSE_ENTRY=True)
+    with pytest.raises(ValueError, match="pass both"):
+        bwd_pass_state(*args, config=fused, dy=dy)
+    with pytest.raises(ValueError, match="dy must be"):
+        bwd_pass_state(*args, config=fused, dy=dy[:, :, :2], C=C)
+    with pytest.raises(ValueError, match="C must be"):
+        bwd_pass_state(*args, config=fused, dy=dy, C=C[..., :16])
+    with pytest.raises(ValueError, match="chunks of 16"):
+        bwd_pass_state(*args, config=fused, dy=dy[:, :40], C=C[:, :40])
+    with pytest.raises(ValueError, match="contiguous"):
+        bwd_pass_state(*args, config=fused, dy=dy.transpose(0, 1).contiguous().transpose(0, 1),
+                       C=C)
+    with pytest.raises(ValueError, match="ENTRY_BLOCK_T"):
+        bwd_pass_state(*args, config=dict(FUSE_ENTRY=True, ENTRY_BLOCK_T=24), dy=dy, C=C)
+    with pytest.raises(ValueError, match="dentry is required"):
+        bwd_pass_state(None, *args[1:])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
+def test_fused_entry_compiles(arch):
+    """At a ~2.7B layer (80 heads of 64 x 128, one group), bf16, chunk 256."""
+    from ops.tools.aot import compile_cubin
+    meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
+    bf = torch.bfloat16
+    plan = bwd_pass_state_plan(None, meta(1, 80, 64, 128), meta(1, 64, 80, 64, 128, dt=bf),
+                               meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32),
+                               config=dict(FUSE_ENTRY=True), ds_dtype=bf,
+                               dy=meta(1, 16384, 80, 64, dt=bf), C=meta(1, 16384, 1, 128, dt=bf))
+    assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 def test_compiles(arch):
     from ops.tools.aot import compile_cubin
