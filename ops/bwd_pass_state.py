@@ -102,12 +102,11 @@ def bwd_pass_state_kernel(
         e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
         ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
         if FUSE_ENTRY:
-            d_own = entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group, pi,
-                                   ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
-                                   BF16_OPERANDS)
+            g = a * g + entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group,
+                                       pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
+                                       HAS_SEQ_IDX, BF16_OPERANDS)
         else:
-            d_own = chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
-        g = a * g + d_own
+            g = a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
     ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
 
 
