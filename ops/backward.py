@@ -446,11 +446,11 @@ def _gradient_shapes(x, dt, A, B, C, D, z, dt_bias, initial_states, wanted):
 
 
 def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt: Tensor,
-                A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
-                dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
-                seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], *, chunk_size: int,
-                dt_softplus: bool, dt_min: float, dt_max: float,
-                state_dtype: Optional[torch.dtype], wanted: list[bool]) -> list[Tensor]:
+                 A: Tensor, B: Tensor, C: Tensor, D: Optional[Tensor], z: Optional[Tensor],
+                 dt_bias: Optional[Tensor], initial_states: Optional[Tensor],
+                 seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], *, chunk_size: int,
+                 dt_softplus: bool, dt_min: float, dt_max: float,
+                 state_dtype: Optional[torch.dtype], wanted: list[bool]) -> list[Tensor]:
     from .ssd_combined import check_values
     from .torch_op import as_kernel_input
     if len(wanted) != len(INPUTS):

@@ -196,10 +196,10 @@ def _gradients(ctx, dout, dfinal, eager):
         from .backward import backward_op, ssd_backward
         # The operator takes the inputs as saved and prepares them as the forward does
         # (as_kernel_input, seq_idx from cu_seqlens, int32).
-        grads = (ssd_backward if eager else backward_op)(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
-                            cu_seqlens, chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"],
-                            dt_min=o["dt_min"], dt_max=o["dt_max"],
-                            state_dtype=o["state_dtype"], wanted=wanted)
+        grads = (ssd_backward if eager else backward_op)(
+            dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+            chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"], dt_min=o["dt_min"],
+            dt_max=o["dt_max"], state_dtype=o["state_dtype"], wanted=wanted)
     return tuple(g.to(t.dtype) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
 

@@ -133,7 +133,8 @@ def store_constant(out, idx, SCATTER: ct.Constant[bool], VALUE: ct.Constant[int]
 @pytest.mark.parametrize("how", ["store", "scatter"])
 @pytest.mark.parametrize("dtype,value,error", [
     (torch.bool, 1, None), (torch.bool, 0, None), (torch.bool, 2, KernelTypeError),
-    (torch.int8, 127, None), (torch.int8, 300, KernelValueError), (torch.int8, -129, KernelValueError)],
+    (torch.int8, 127, None), (torch.int8, 300, KernelValueError),
+    (torch.int8, -129, KernelValueError)],
     ids=["1-to-bool", "0-to-bool", "2-to-bool", "127-to-int8", "300-to-int8", "-129-to-int8"])
 def test_python_constants_cast_as_the_compiler_casts_them(how, dtype, value, error):
     """A Python integer stored or scattered into an array: the interpreter accepts what the
