@@ -167,8 +167,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(*inputs)
     ctx.options = keyword_only_inputs
     # An output the loss does not use (final_states, most often) comes back as None, not as a
-    # tensor of zeros (the size of the final states, alive through the backward's peak); a
-    # traced step's AOT autograd passes zeros all the same.
+    # tensor of zeros (the size of the final states, alive through the backward's peak).
     ctx.set_materialize_grads(False)
 
 
@@ -230,5 +229,7 @@ class EagerAutograd(torch.autograd.Function):
         ctx.set_materialize_grads(False)      # as the operator's (_setup_context)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable     # as the operator: no double backward
     def backward(ctx, dout, dfinal, dvarlen):
-        return _gradients(ctx, dout, dfinal, eager=True) + (None,)
+        # traced by compiled autograd: through the opaque backward operator
+        return _gradients(ctx, dout, dfinal, eager=not torch.compiler.is_compiling()) + (None,)

@@ -791,7 +791,7 @@ def test_the_parallel_compile_worker_runs_a_candidate():
 def test_an_unused_outputs_gradient_is_not_materialised(monkeypatch):
     """An eager loss of out alone hands the backward no final-state gradient (None, not a
     tensor of zeros the size of the final states, alive through the backward's peak), and one of
-    the final states alone no output gradient. (Traced, AOT autograd passes zeros.)"""
+    the final states alone no output gradient."""
     import ops.torch_op as torch_op
     seen = []
     real = torch_op._gradients
@@ -826,3 +826,7 @@ def test_autograd_grad_and_checkpointing_give_the_same_gradients():
     # torch.func's transforms too (the eager path is an autograd.Function with setup_context)
     got = torch.func.grad(run, argnums=(0, 1))(kw["x"], kw["B"])
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # a gradient of the gradient is refused, never silently wrong
+    g, = torch.autograd.grad(run(x, B), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.square().sum().backward()

@@ -27,7 +27,7 @@ import torch
 from cuda.tile import PaddingMode
 
 from ..cutile_internals import is_boolean, is_integral, is_signed
-from .arguments import check_shape, constant
+from .arguments import check_shape
 from .errors import KernelTypeError, KernelValueError
 from .memory import _padding_value, implicit_cast, padding_fill
 from .registry import emulates
