@@ -488,8 +488,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
     multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
-    default (in a kernel of their own, or fused), and C B^T the other way than the default (read from memory or formed per head; alone and
-    with one head per block)."""
+    default (in a kernel of their own, or fused), and C B^T the other way than the default
+    (read from memory or formed per head; alone and with one head per block)."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]

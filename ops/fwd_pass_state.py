@@ -179,16 +179,6 @@ def own_state(xt, bt, w, BLOCK_P, BLOCK_N, SWAP):
     return ct.mma(ct.transpose(xw), bt, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
 
 
-def chunk_own_state(x, B, dt_out, dA_cumsum, seq_idx, b, h, g, c, pi, ni,
-                    CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT):
-    """Chunk c's own state tile (float32, (BLOCK_P, BLOCK_N)) and its dA[last], from the chunk's
-    inputs alone: what SPLIT's blocks form without waiting on other chunks."""
-    xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, g, c, pi, ni, x.dtype,
-                                  CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
-    w, dA_last = write_weights(dA, dt, seq_idx, b, c, x.shape[1], CHUNK, HAS_SEQ_IDX)
-    return own_state(xt, bt, w, BLOCK_P, BLOCK_N, False), dA_last
-
-
 def carry(running, running_seq, own, dA_last, seq_idx, b, c, seqlen, CHUNK, HAS_SEQ_IDX):
     """running -> exp2(dA[last]) * running + the chunk's own state; (running, running_seq). The
     carried state is dropped when the chunk's last token starts another sequence."""
@@ -230,8 +220,10 @@ def chunk_states_kernel(
     tile_id, c = ct.bid(0) % n_tiles, ct.bid(0) // n_tiles
     pi, ni = tile_id % n_ptiles, tile_id // n_ptiles
     h, b = ct.bid(1), ct.bid(2)
-    own, _ = chunk_own_state(x, B, dt_out, dA_cumsum, seq_idx, b, h, h // heads_per_group, c,
-                             pi, ni, CHUNK, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, LOAD_LAT)
+    xt, bt, dA, dt = chunk_inputs(x, B, dt_out, dA_cumsum, b, h, h // heads_per_group, c, pi, ni,
+                                  x.dtype, CHUNK, BLOCK_P, BLOCK_N, LOAD_LAT)
+    w, _ = write_weights(dA, dt, seq_idx, b, c, x.shape[1], CHUNK, HAS_SEQ_IDX)
+    own = own_state(xt, bt, w, BLOCK_P, BLOCK_N, False)
     ct.store(chunk_states, (b, c, h, pi, ni), ct.reshape(own, (1, 1, 1, BLOCK_P, BLOCK_N)))
 
 
