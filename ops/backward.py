@@ -8,11 +8,11 @@ the specification, step by step, and names the same quantities):
     gate               out = (y + D x) * silu(z)           -> dy, dz          (PyTorch, float32,
                                                               over slices of the tokens; without
                                                               z, dy is dout and nothing runs)
-    (c) bwd_compute_out    its dentry launch: dy -> dentry
-    (b) bwd_pass_state     dentry, dfinal -> dS, ddA_cumsum at each chunk's last token,
-                           dinitial                          (the chunks in reverse order;
-                           with its config FUSE_ENTRY it forms dentry itself from dy and C,
-                           and the dentry launch does not run)
+    (b) bwd_pass_state     dy, C, dfinal -> dS, ddA_cumsum at each chunk's last token,
+                           dinitial                          (the chunks in reverse order,
+                           each chunk's dentry formed in the walk from dy and C: FUSE_ENTRY,
+                           ``BACKWARD_DEFAULTS``; with FUSE_ENTRY=False compute_out's dentry
+                           launch runs first, dy -> dentry, and the walk reads dentry)
     (c) bwd_compute_out    its token launch: dy, dS, D -> dx (complete, in its final dtype),
                            dB, dC (each summed over its group's heads), ddt_out, ddA_cumsum,
                            dD's partials: compute_out's gradients, those through each chunk's
@@ -71,7 +71,8 @@ Inputs arrive from the operator (``backward_op`` below) as the forward's do: eac
 ``ops.torch_op.as_kernel_input`` gives it, seq_idx int32. The backward kernels read x, B, C,
 dt and the gradients contiguous (copied here where a view is passed). ``configs`` maps a forward
 kernel's name (``ops.forward.KERNELS``) or a backward kernel's (``BACKWARD_CONFIGS``: each
-module's ``default_config`` / ``search_space``) to its config; a missing one takes the default.
+module's ``default_config`` / ``search_space``) to its config; a missing one, or a missing key,
+takes the default (for the backward kernels, with ``BACKWARD_DEFAULTS`` over it).
 """
 import math
 from typing import Optional
@@ -86,7 +87,7 @@ from .bwd_compute_out import bwd_compute_out_plan
 from .bwd_compute_out import default_config as compute_out_config
 from .bwd_pass_state import bwd_pass_state
 from .bwd_pass_state import default_config as pass_state_config
-from .compute_chunk import backward_chunk
+from .compute_chunk import kernel_chunk
 from .configs import resolve_config
 from .launch import run
 from .utils import as_int32
@@ -97,6 +98,17 @@ Tensor = torch.Tensor
 INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
 BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
+# The chain's own choices over a backward kernel's default config (a kernel's default is the
+# kernel as first written, for its standalone use): the pass over the states forms dentry
+# itself (``ops/bwd_pass_state.py``'s FUSE_ENTRY: 7-15% less time per training step at chunks
+# 64-128 on an H200, no dentry buffer). A config given for the kernel is taken over these.
+BACKWARD_DEFAULTS = {"bwd_pass_state": {"FUSE_ENTRY": True}}
+
+
+def backward_config(configs, name):
+    """The config ``kernel_backward`` runs backward kernel ``name`` with: ``BACKWARD_DEFAULTS``'
+    keys, then those of ``configs[name]`` (a missing key: the kernel's default)."""
+    return {**BACKWARD_DEFAULTS.get(name, {}), **((configs or {}).get(name) or {})}
 
 # The elementwise gate (and dD when the kernels do not run) runs over slices of at most this many
 # (token x head x headdim) elements: its float32 temporaries stay ~16 MB each instead of x's size
@@ -143,7 +155,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     entry_dtype = states_dtype or dtype
     if entry_dtype not in (dtype, torch.float32):
         entry_dtype = torch.float32                           # widened, as kernel_backward does
-    fuse_entry = resolve_config(configs.get("bwd_pass_state"), pass_state_config(
+    fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state"), pass_state_config(
         headdim=headdim, dstate=dstate, dtype=entry_dtype))["FUSE_ENTRY"]
     dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
     width = nheads * headdim
@@ -358,10 +370,11 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         chunk_size=chunk_size, headdim=x.shape[3], dstate=B.shape[3], nheads=x.shape[2],
         ngroups=B.shape[2], batch=batch, seqlen=seqlen))["FUSE_STATES"]
 
-    # compute_out's dentry first, the pass over the states, then compute_out's token kernel:
-    # dentry is freed before the token kernel's dx exists (see "Memory"). With the pass' config
-    # FUSE_ENTRY the pass forms dentry itself, from dy and C: no dentry buffer, no entry launch.
-    ps_config = configs.get("bwd_pass_state")
+    # The pass over the states, then compute_out's token kernel. The pass forms dentry itself,
+    # from dy and C (FUSE_ENTRY, BACKWARD_DEFAULTS): no dentry buffer, no entry launch; with
+    # FUSE_ENTRY=False compute_out's dentry launch runs first, and dentry is freed before the
+    # token kernel's dx exists (see "Memory").
+    ps_config = backward_config(configs, "bwd_pass_state")
     fuse_entry = resolve_config(ps_config, pass_state_config(
         headdim=x.shape[3], dstate=B.shape[3], dtype=entry.dtype))["FUSE_ENTRY"]
     dentry = None
@@ -460,8 +473,9 @@ def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
     names = [n for n, w in zip(INPUTS, wanted) if w]
-    # the caller's chunk, unless MAMBA2_CUTILE_COMPUTE_CHUNK forces one (ops/compute_chunk.py)
-    g = kernel_backward(dout, dfinal, x, dt, A, B, C, backward_chunk(chunk_size), D=D, z=z,
+    # the forward's chunk: the caller's, or where the H200 measured another faster, that one
+    # (ops/compute_chunk.py)
+    g = kernel_backward(dout, dfinal, x, dt, A, B, C, kernel_chunk(chunk_size, x, B), D=D, z=z,
                         dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
                         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
                         states_dtype=state_dtype or x.dtype, wanted=names, input_dtypes=True)

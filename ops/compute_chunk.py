@@ -3,12 +3,13 @@
 The chunked algorithm computes the same function at every chunk size: only the order of the
 sums differs, so only rounding (measured below). The caller's chunk is a model's config value
 (Mamba-2's configs say 256), chosen for mamba_ssm's Triton kernels, and on an H200 this
-project's forward is faster at 128. So by default ("auto") the forward kernels compute with the
-chunk ``AUTO_RULES`` names for the call's shape and device, else the caller's; the backward
-keeps the caller's (at 128 its peak memory is 19-79% higher: ``results/fwd_bwd_h200.csv``).
+project's kernels are faster at 128, forward and backward. So by default ("auto") the forward
+and the backward kernels compute with the chunk ``AUTO_RULES`` names for the call's shape and
+device, else the caller's.
 
     MAMBA2_CUTILE_COMPUTE_CHUNK=auto     the default, as above
-    MAMBA2_CUTILE_COMPUTE_CHUNK=caller   the caller's chunk exactly, forward and backward
+    MAMBA2_CUTILE_COMPUTE_CHUNK=caller   the caller's chunk exactly, forward and backward (the
+                                         lowest memory: see "What it costs")
     MAMBA2_CUTILE_COMPUTE_CHUNK=128      this chunk (a power of two in [16, 256]) for every
                                          call, forward and backward
 
@@ -115,9 +116,9 @@ def auto_chunk(chunk_size, *, gpu, dtype, batch, seqlen, nheads, headdim, dstate
     return chunk_size
 
 
-def forward_chunk(chunk_size, x, B):
-    """The chunk the forward kernels compute with for a call with the caller's ``chunk_size``
-    and inputs ``x`` (b, L, h, p), ``B`` (b, L, g, n)."""
+def kernel_chunk(chunk_size, x, B):
+    """The chunk the kernels compute with, forward and backward, for a call with the caller's
+    ``chunk_size`` and inputs ``x`` (b, L, h, p), ``B`` (b, L, g, n)."""
     how = mode()
     if how == "caller":
         return chunk_size
@@ -126,10 +127,3 @@ def forward_chunk(chunk_size, x, B):
     batch, seqlen, nheads, headdim = x.shape
     return auto_chunk(chunk_size, gpu=_gpu_name(x.device), dtype=x.dtype, batch=batch,
                       seqlen=seqlen, nheads=nheads, headdim=headdim, dstate=B.shape[3])
-
-
-def backward_chunk(chunk_size):
-    """The chunk the backward kernels compute with: the caller's, unless a chunk is forced."""
-    how = mode()
-    return how if isinstance(how, int) else chunk_size
-

@@ -110,12 +110,12 @@ def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, 
         out = chunked.compute_out(x, B, C, dt_out, dA_cumsum, entry, D, z, seq_idx).to(x.dtype)
         exp = torch.exp
     else:
-        from .compute_chunk import forward_chunk
+        from .compute_chunk import kernel_chunk
         from .forward import kernel_forward
         # the chunk the kernels compute with: the caller's, or where the H200 measured another
         # faster, that one (the same function; ops/compute_chunk.py)
         out, final_states, (dt_out, dA_cumsum, entry) = kernel_forward(
-            x, dt, A, B, C, forward_chunk(chunk_size, x, B), D=D, z=z, dt_bias=dt_bias,
+            x, dt, A, B, C, kernel_chunk(chunk_size, x, B), D=D, z=z, dt_bias=dt_bias,
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
             dt_limit=dt_limit, states_dtype=state_dtype or x.dtype, return_intermediates=True)
         exp = torch.exp2                     # the kernels' cumsum is in log2 units

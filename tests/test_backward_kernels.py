@@ -45,9 +45,9 @@ LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 # dt_limit clamps ~10% of the processed steps from below and ~9% from above at these inputs.
 OPTIONS = dict(dt_softplus=True, dt_limit=(0.2, 0.9))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
-# bwd_chunk_states' work is fused into bwd_compute_out's token kernel by default (FUSE_STATES)
-BACKWARD_KERNELS = {"bwd_compute_out_kernel", "bwd_entry_kernel", "bwd_pass_state_kernel",
-                    "bwd_chunk_cumsum_kernel"}
+# bwd_chunk_states' work is fused into bwd_compute_out's token kernel by default (FUSE_STATES),
+# and dentry's into the pass over the states (FUSE_ENTRY, ops.backward.BACKWARD_DEFAULTS)
+BACKWARD_KERNELS = {"bwd_compute_out_kernel", "bwd_pass_state_kernel", "bwd_chunk_cumsum_kernel"}
 FORWARD_KERNELS = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"}
 
 
@@ -263,24 +263,26 @@ def test_backward_kernels_take_configs_by_name(launched):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_pass_forming_dentry_itself_gives_the_same_gradients(launched, dtype):
-    """The pass' FUSE_ENTRY (dentry formed in the walk, no entry launch) against the default:
-    the same products over the same token tiles, so the same gradients up to the float32 sums'
-    order inside a product (1e-6), with packed sequences, initial states, z and a ragged end."""
+    """The pass' FUSE_ENTRY (dentry formed in the walk, no entry launch: the default) against
+    compute_out's entry launch then the walk reading its dentry (FUSE_ENTRY=False): the same
+    products over the same token tiles, so the same gradients up to the float32 sums' order
+    inside a product (1e-6), with packed sequences, initial states, z and a ragged end, at the
+    default token tile and at 16. A config given for the pass without FUSE_ENTRY keeps it."""
     from ops.backward import kernel_backward
     kw = problem(dtype, seq=[20, 64], seqlen=77)
     dout = weights(kw).to(dtype)
     args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
     opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
                 seq_idx=kw["seq_idx"], **OPTIONS)
-    want = kernel_backward(*args, **opts)
+    want = kernel_backward(*args, **opts, configs={"bwd_pass_state": dict(FUSE_ENTRY=False)})
     assert "bwd_entry_kernel" in launched
-    launched.clear()
-    got = kernel_backward(*args, **opts, configs={"bwd_pass_state": dict(FUSE_ENTRY=True,
-                                                                         ENTRY_BLOCK_T=16)})
-    assert "bwd_entry_kernel" not in launched and "bwd_pass_state_kernel" in launched
-    assert set(got) == set(want)
-    for name in want:
-        assert rel_err(got[name], want[name]) < 1e-6, name
+    for config in (None, dict(ENTRY_BLOCK_T=16)):
+        launched.clear()
+        got = kernel_backward(*args, **opts, configs={"bwd_pass_state": config})
+        assert "bwd_entry_kernel" not in launched and "bwd_pass_state_kernel" in launched
+        assert set(got) == set(want)
+        for name in want:
+            assert rel_err(got[name], want[name]) < 1e-6, name
 
 
 # Memory ---------------------------------------------------------------------------------------
@@ -329,18 +331,18 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 UNFUSED = {"bwd_compute_out": dict(FUSE_STATES=False)}
-ENTRY_IN_PASS = {"bwd_pass_state": dict(FUSE_ENTRY=True)}
+ENTRY_LAUNCH = {"bwd_pass_state": dict(FUSE_ENTRY=False)}
 
 
 @pytest.mark.parametrize("z, initial_states, dstate, ngroups, chunk, configs", [
     (False, False, 32, 2, 64, None), (False, True, 32, 2, 64, None), (True, False, 32, 2, 64, None),
     (True, True, 32, 2, 64, None), (False, False, 128, 8, 64, None),
     (False, False, 32, 2, 64, UNFUSED), (True, True, 32, 2, 64, UNFUSED),
-    (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, None),
-    (False, False, 64, 1, 16, ENTRY_IN_PASS), (True, True, 32, 2, 64, ENTRY_IN_PASS)],
+    (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, ENTRY_LAUNCH),
+    (False, False, 64, 1, 16, None), (True, True, 32, 2, 64, ENTRY_LAUNCH)],
     ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
-         "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-pass-peak",
-         "chunk16-entry-in-pass", "z-initial-entry-in-pass"])
+         "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-entry-launch-pass-peak",
+         "chunk16-entry-in-pass", "z-initial-entry-launch"])
 def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
                                             chunk, configs):
     """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,
@@ -353,8 +355,9 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     which the C B^T buffer is 16%. ``FUSE_STATES=False``: the token kernel's float32 dx, then
     bwd_chunk_states' launch (with one group of eight heads its dB partials make its step the
     peak), counted as the accounting does for that config. At 16-token chunks the states
-    outweigh the tokens and the pass over them is the peak, with dentry; with the pass forming
-    dentry itself (FUSE_ENTRY) there is no dentry, and the token kernel's step is the peak."""
+    outweigh the tokens: with compute_out's entry launch (``FUSE_ENTRY=False``) the pass over
+    them is the peak, with dentry; with the pass forming dentry itself (the default) there is
+    no dentry, and the token kernel's step is the peak."""
     import ops.backward as bwd
     monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
     shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=ngroups, dstate=dstate,
@@ -390,9 +393,10 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
 @pytest.mark.gpu
 def test_peak_memory_on_gpu():
     """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16
-    heads of 64 x 128, 1 group, bf16, chunk 256, D, dt_bias, softplus: the memory allocated
-    beyond the inputs and dout stays under the forward's output and its gradients (out, the
-    gradients of x, B, C, dt in bf16) plus ``ops.backward.memory_accounting``'s peak, plus 8 MiB
+    heads of 64 x 128, 1 group, bf16, a caller's chunk 256 (computed at 128 on an H200:
+    ``ops/compute_chunk.py``), D, dt_bias, softplus: the memory allocated beyond the inputs and
+    dout stays under the forward's output and its gradients (out, the gradients of x, B, C, dt
+    in bf16) plus ``ops.backward.memory_accounting``'s peak at the chunk computed, plus 8 MiB
     for the allocator's rounding and the small tensors (before: dB per head, dx's float32
     partials, dy in float32: ~4x that)."""
     shape = dict(batch=2, seqlen=2048, nheads=16, headdim=64, ngroups=1, dstate=128)
@@ -417,7 +421,9 @@ def test_peak_memory_on_gpu():
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     from ops.backward import memory_accounting
-    _, backward = memory_accounting(**shape, chunk_size=256, dtype=torch.bfloat16)["peak"]
+    from ops.compute_chunk import kernel_chunk
+    chunk = kernel_chunk(256, kw["x"], kw["B"])      # 128 on an H200 (ops/compute_chunk.py)
+    _, backward = memory_accounting(**shape, chunk_size=chunk, dtype=torch.bfloat16)["peak"]
     outputs = 2 * kw["x"].numel() * 2 + 2 * kw["B"].numel() * 2 + kw["dt"].numel() * 2
     bound = backward + outputs + 8 * 2**20
     assert peak <= bound, (peak / 2**20, bound / 2**20)

@@ -202,8 +202,8 @@ def computed_chunk(impl, inp, chunk):
     """The chunk ``impl`` computes with for the caller's ``chunk``: this project's kernels may
     take another (ops/compute_chunk.py); the other implementations take the caller's."""
     if impl in ("cutile", "cutile_default", "interpret"):
-        from ops.compute_chunk import forward_chunk
-        return forward_chunk(chunk, inp["x"], inp["B"])
+        from ops.compute_chunk import kernel_chunk
+        return kernel_chunk(chunk, inp["x"], inp["B"])
     return chunk
 
 

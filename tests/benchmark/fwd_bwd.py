@@ -18,7 +18,7 @@ the same output gradient for every implementation:
 
 Per implementation and chunk (the caller's, as a model passes it):
     fwd_chunk, bwd_chunk  the chunks the forward and the backward computed with: the caller's,
-                 but for this project's forward where ``ops/compute_chunk.py`` picks another
+                 but for this project's kernels where ``ops/compute_chunk.py`` picks another
                  (MAMBA2_CUTILE_COMPUTE_CHUNK=caller: the caller's)
     fwd_bwd_ms   median of ``triton.testing.do_bench`` of one step: the forward with x, dt, A, B,
                  C, D and dt_bias requiring gradients, then ``out.backward(dout)``
@@ -165,12 +165,13 @@ def measure(impl, chunk, inputs, dout, timed=True, graph=False):
 
 def computed_chunks(impl, chunk, inputs):
     """The chunks the forward and the backward computed with (ops/compute_chunk.py: this
-    project's forward may take another than the caller's; the others take the caller's)."""
+    project's kernels may take another than the caller's, the same for both passes; the others
+    take the caller's)."""
     if impl != "cutile":
         return dict(fwd_chunk=chunk, bwd_chunk=chunk)
-    from ops.compute_chunk import backward_chunk, forward_chunk
-    return dict(fwd_chunk=forward_chunk(chunk, inputs["x"], inputs["B"]),
-                bwd_chunk=backward_chunk(chunk))
+    from ops.compute_chunk import kernel_chunk
+    used = kernel_chunk(chunk, inputs["x"], inputs["B"])
+    return dict(fwd_chunk=used, bwd_chunk=used)
 
 
 def _runs(shape, impls, chunks, tilegym_chunk):
