@@ -32,27 +32,29 @@ leaves the states' gradients to ``bwd_chunk_states``, launched after it, which a
 ddt_out and ddA_cumsum into the token launch's (then float32) ones.
 
 Memory (bytes beyond the inputs and dout, at batch 8 x 2K tokens, 80 heads of 64 x 128, 1 group,
-bf16, chunk 256 (128 where it differs), D, no z; ``memory_accounting`` computes them for any shape
-and ``tests/test_backward_kernels.py`` checks them)
+bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
+``tests/test_backward_kernels.py`` checks them)
     First version, alive together at the end (dx's sums), 3.18 GB (3.6 GB at chunk 128;
     measured on an H200 as a training step's peak: 3.2 and 3.7 GB, against 0.54 GB for
     mamba_ssm's Triton): dB per head from chunk_states, float32 (b, L, h, n) 671 MB; dx's float32
     partials and their sums, 5 x 336 MB; float32 copies of dout, x and their product in the gate;
     the recomputed y, never read without z; float32 dentry and dS.
-    Now 429 MB at the peak, compute_out's token launch (703 MB at chunk 128, where the pass'
-    dentry and dS, twice as large, peak; 765 MB with z, whose dz and dy in x's dtype add
-    2 x 168 MB):
-        dx in x's dtype 168 MB, written once by the token launch (no float32 dx)
-        dS 84 MB (168), stored in bf16 for bf16 inputs (the products round it so anyway)
-        entry states 84 MB (168), freed after compute_out's token launch
-        dentry 168 MB (336), float32, freed after the pass, before dx exists
-        dB, dC head-split partials: 4 splits x 2 x 8 MB (``bwd_compute_out.BLOCKS_PER_SM``, at
-        most ``MAX_SPLITS``)
-        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5 MB; dD's partials 5 MB
-        dy: dout itself (without z); y not computed without z.
+    Now 425 MiB at chunk 256 and 577 MiB at 128 (the chunk an H200 computes a caller's 256 at:
+    ``ops/compute_chunk.py``), at the peak, compute_out's token launch (745 / 897 MiB with z,
+    whose dz and dy in x's dtype add 2 x 160 MiB), MiB at 256 (128):
+        dx in x's dtype 160, written once by the token launch (no float32 dx)
+        dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
+        entry states 80 (160), freed after compute_out's token launch
+        dB, dC head-split partials: 4 splits x 2 x 8 (``bwd_compute_out.BLOCKS_PER_SM``, at
+        most ``MAX_SPLITS``); C B^T per chunk and group 16 (8), float32
+        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5; dD's partials 5
+        dy: dout itself (without z); y not computed without z; no dentry (the pass forms it:
+        FUSE_ENTRY), which with FUSE_ENTRY=False is a float32 (b, c, h, p, n) buffer, 160
+        (320), alive through the pass, whose step is then the peak at 128 (670 MiB).
     Measured on an H200 as a training step's peak (``tests/benchmark/fwd_bwd.py``, the forward's
-    output and the gradients included): 729 MiB at chunk 256 and 1060 MiB at chunk 128, against
-    712 MiB for mamba_ssm's Triton at chunk 256 (``results/fwd_bwd_h200.csv``).
+    output and the gradients included): 949 MiB computing at 128 and 715 MiB at exactly the
+    caller's 256, against 713 MiB for mamba_ssm's Triton at chunk 256
+    (``results/fwd_bwd_h200.csv``, ``results/fwd_bwd_caller_h200.csv``).
 
 Saved and recomputed
     The operator saves only its inputs. The backward runs the forward kernels once more,

@@ -22,11 +22,23 @@ training 8 x 2K x 80 0.423 -> 0.379, 2.7B prefill 1 x 4K x 80 0.137 -> 0.124, 8B
 dstate 128 1.809 -> 1.569, 64K dstate 256 2.463 -> 2.250, 256K dstate 128 7.272 -> 6.412
 (``fwd_pass_state_split_h200.csv``, the defaults' rows); 16K dstate 64 0.438 -> 0.378
 (``chunk_sweep_h200.csv``); 16K dstate 64 / 128 / 256 0.441 -> 0.378, 0.463 -> 0.411, 0.635
--> 0.579, 64K 1.674 -> 1.463, 1.797 -> 1.558, 2.436 -> 2.233 (``fwd_bwd_h200.csv``'s fwd_ms).
+-> 0.579, 64K 1.674 -> 1.463, 1.797 -> 1.558, 2.436 -> 2.233 (``fwd_bwd_d971a0b_h200.csv``'s
+fwd_ms).
 At 1 x 4K x 80 and dstate 64 nothing timed it reliably (that last harness is not made for a
 0.13 ms forward: it timed the same 4K shape at 0.135 and 0.222 ms in one run), so at dstate 64
 "auto" starts at 16K tokens. (Chunk 64 was faster still at 16K x dstate 64, 0.347 ms in
 ``chunk_sweep_h200.csv``: one point, not yet a rule.)
+
+And a training step's scan (forward + backward through autograd, bf16, D, dt_bias, softplus;
+``tests/benchmark/fwd_bwd.py``), ms with the backward at chunk 256 -> 128, the forward at 128
+in both: 130M training 3.29 -> 2.98, 2.7B training 3.40 -> 2.96, 8B hybrid 5.71 -> 4.77, 1 x 80
+heads at 16K dstate 64 / 128 / 256 3.03 -> 2.85, 3.51 -> 3.12, 7.05 -> 6.47, at 64K 11.67 ->
+9.20, 14.11 -> 11.84, 27.01 -> 24.91 (``fwd_bwd_d971a0b_h200.csv``; at 4K tokens and the 2.7B
+prefill shape, where the step is host-bound, within 2% either way). With the pass over the
+states forming dentry itself (``ops.backward.BACKWARD_DEFAULTS``), which gains most at 128, the
+kernels' forward then backward called directly, both at the chunk (``config_sweep.py --what
+step``), 256 -> 128: 130M 2.23 -> 1.80, 2.7B 3.41 -> 2.77, 8B 5.75 -> 4.44
+(``bwd_fuse_entry_h200.csv``). So the backward computes at the forward's chunk.
 
 Where "auto" applies (``AUTO_RULES``): a GPU whose name says H200, bf16 inputs, a caller's chunk
 of 256, headdim up to 64, dstate 65-256 from 2K tokens and 33-64 from 16K, and entry states at
@@ -36,18 +48,28 @@ to the sizes that compile to the same tiles. Everywhere else -- other GPUs (othe
 included), dtypes, sizes, a caller's chunk other than 256, the CPU interpreter -- "auto" keeps
 the caller's chunk.
 
-What it costs: the forward's entry states, (b, chunks, h, p, n), double at half the chunk, and
-with them the forward's peak memory, by 29-31% at the model shapes (``models_h200.csv``'s
-peak_mem_mb: 130M 163 -> 210 MB, 2.7B training 270 -> 350, 2.7B prefill 65 -> 85, 8B hybrid
-408 -> 536). They are freed when the forward returns (the backward recomputes them).
+What it costs: the entry states, (b, chunks, h, p, n), double at half the chunk, and so does
+the backward's dS, their gradient. The forward's peak memory rises by 29-31% at the model shapes
+(``models_h200.csv``'s peak_mem_mb: 130M 163 -> 210 MB, 2.7B training 270 -> 350, 2.7B prefill
+65 -> 85, 8B hybrid 408 -> 536); the forward's entry states are freed when it returns (the
+backward recomputes them). A training step's peak, measured side by side with the same step at
+exactly the caller's 256 (MiB beyond the inputs, the forward's output and the gradients
+included; ``fwd_bwd_h200.csv`` against ``fwd_bwd_caller_h200.csv``, mamba_ssm's Triton in
+parentheses): 130M 606 / 478 (470), 2.7B training 949 / 715 (713), 2.7B prefill 233 / 176
+(180), 8B hybrid 1544 / 1224 (1416), 1 x 80 heads at 16K dstate 128 912 / 681 (696), at 64K
+dstate 128 3441 / 2513 (2769), dstate 256 6263 / 4374 (4733). That memory is transient, one
+layer's scan at a time; ``MAMBA2_CUTILE_COMPUTE_CHUNK=caller`` gives it back, at the time the
+caller's chunk takes (2.7B training 3.42 ms against 2.77).
 
 The rounding difference, measured through the interpreter (``tests/test_compute_chunk.py``: 1 x
 1024 tokens, 2 heads of 64 x 64, D, dt_bias, softplus) as the output's relative distance (in
 norm) from the float64 reference at the caller's chunk 256: float32 inputs 5.1e-7 at chunk 128,
 9.4e-7 at 256 (9.2e-7 from each other); bf16 2.34e-3 and 2.33e-3 (the output's own rounding to
-bf16; 6.6e-4 from each other). The GPU test there checks the same bound on the GPU at a Mamba-2
-layer's shape. So, memory aside, a change of chunk is a change of rounding only, no larger than
-the rounding at either chunk.
+bf16; 6.6e-4 from each other); and the gradients' distance from float64 autograd at 128 / 256
+(1 x 512 tokens): fp32 dx 1.2e-6 / 2.5e-6, dA 7.6e-6 / 3.7e-5, bf16 3.4e-4 to 2.6e-3 at either
+chunk. The GPU test there checks the output's bound on the GPU at a Mamba-2 layer's shape, and
+that the op's gradients are the kernels' at the chunk chosen. So, memory aside, a change of
+chunk is a change of rounding only, no larger than the rounding at either chunk.
 """
 import functools
 import os

@@ -723,3 +723,54 @@ def test_config_sweep_checks_its_arguments(capsys):
         with pytest.raises(SystemExit):
             config_sweep.main(argv)
         assert expected in capsys.readouterr().err, argv
+
+
+def test_fwd_bwd_replots_a_run_without_a_gpu(tmp_path):
+    """fwd_bwd --replot draws --plot from an earlier run's CSV: each implementation's eager
+    speedup and, where the run timed CUDA-graph replays, Triton's graphed time over its own
+    (NaN where a row has none); without --plot it is refused."""
+    from tests.benchmark import fwd_bwd
+    rows = [dict(shape="s1", impl="triton", chunk=256, fwd_bwd_ms=4.0, graph_ms=2.0, speedup=1.0),
+            dict(shape="s1", impl="cutile", chunk=256, fwd_bwd_ms=2.0, graph_ms=1.6, speedup=2.0),
+            dict(shape="s2", impl="triton", chunk=256, fwd_bwd_ms=3.0, graph_ms="", speedup=1.0),
+            dict(shape="s2", impl="cutile", chunk=256, fwd_bwd_ms=2.0, graph_ms=1.0, speedup=1.5)]
+    path = tmp_path / "run.csv"
+    report.write_csv(path, [dict(r, device="GPU X") for r in rows])
+    loaded = report.load(path)
+    assert fwd_bwd._graph_speedup(loaded, loaded[1]) == pytest.approx(1.25)
+    assert math.isnan(fwd_bwd._graph_speedup(loaded, loaded[3]))     # Triton's not graphed
+    png = tmp_path / "run.png"
+    fwd_bwd.main(["--replot", str(path), "--plot", str(png)])
+    assert png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        fwd_bwd.main(["--replot", str(path)])
+
+
+def test_memory_probe_finds_what_is_alive_at_the_peak():
+    """memory_probe replays an allocator trace: the peak (bytes above the trace's start) and
+    the blocks alive at it, largest first, each named by its innermost frame in this project; a
+    block freed before the peak is not among them, and a free of a block allocated before the
+    trace began is ignored."""
+    from tests.benchmark.memory_probe import live_at_peak, origin
+    frame = lambda f, line, name: dict(filename=f, line=line, name=name)
+    ours = [frame("/usr/lib/torch/x.py", 1, "empty"), frame("/work/main/ops/utils.py", 60,
+                                                              "new_output")]
+    trace = [dict(action="free_requested", addr=9, size=50),          # from before the trace
+             dict(action="alloc", addr=1, size=100, frames=ours),
+             dict(action="alloc", addr=2, size=30, frames=[]),
+             dict(action="free_requested", addr=2, size=30),
+             dict(action="free_completed", addr=2, size=30),
+             dict(action="alloc", addr=3, size=40, frames=ours[1:]),
+             dict(action="alloc", addr=4, size=500, frames=ours),
+             dict(action="free_completed", addr=4, size=500),          # no free_requested
+             dict(action="alloc", addr=5, size=10)]
+    peak, alive = live_at_peak(trace)
+    assert peak == 640 and [e["addr"] for e in alive] == [4, 1, 3]
+    assert origin(alive[0]) == "utils.py:60 new_output" and origin(trace[2]) == "?"
+
+
+def test_memory_probe_checks_its_shape(capsys):
+    from tests.benchmark import memory_probe
+    with pytest.raises(SystemExit):
+        memory_probe.main(["--shape", "8x2048"])
+    assert "--shape must be batch x seqlen x nheads x ngroups" in capsys.readouterr().err

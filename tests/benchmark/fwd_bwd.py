@@ -215,19 +215,39 @@ def shape_text(s):
     return f"{s['batch']}x{s['seqlen']}x{s['nheads']}h n{s['dstate']} g{s['ngroups']}"
 
 
+def _graph_speedup(rows, row):
+    """Triton's step replayed from a CUDA graph over this one's (NaN where either has none)."""
+    base = next((r for r in rows if r["shape"] == row["shape"] and r["impl"] == "triton"), None)
+    times = [r.get("graph_ms") if r else None for r in (base, row)]
+    if any(t is None or t != t for t in times):
+        return float("nan")
+    return times[0] / times[1]
+
+
 def plot(rows, path, device):
+    """Each implementation's speedup over Triton per shape: the eager step's and, where the run
+    had ``--graph``, the step replayed from a CUDA graph (the GPU's time alone; hatched)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels = list(dict.fromkeys(r["shape"] for r in rows))
-    series = sorted({(r["impl"], r["chunk"]) for r in rows if r["impl"] != "triton"})
+    pick = lambda s, impl, chunk: next((r for r in rows if r["shape"] == s and r["impl"] == impl
+                                        and r["chunk"] == chunk), None)
+    series = []
+    for color, (impl, chunk) in enumerate(sorted({(r["impl"], r["chunk"]) for r in rows
+                                                   if r["impl"] != "triton"})):
+        found = [pick(s, impl, chunk) for s in labels]
+        series.append((f"{impl}, chunk {chunk}", None, f"C{color}",
+                       [r["speedup"] if r else float("nan") for r in found]))
+        graphed = [_graph_speedup(rows, r) if r else float("nan") for r in found]
+        if any(v == v for v in graphed):
+            series.append((f"{impl}, chunk {chunk}, CUDA graph (GPU time)", "//", f"C{color}",
+                           graphed))
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(labels)), 4.5))
     width = 0.8 / max(len(series), 1)
-    for k, (impl, chunk) in enumerate(series):
-        vals = [next((r["speedup"] for r in rows if r["shape"] == s and r["impl"] == impl
-                      and r["chunk"] == chunk), float("nan")) for s in labels]
+    for k, (label, hatch, color, vals) in enumerate(series):
         ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))], vals,
-               width, label=f"{impl}, chunk {chunk}")
+               width, label=label, hatch=hatch, color=color, alpha=0.6 if hatch else 1.0)
     ax.axhline(1.0, color="black", lw=0.8)
     ax.axhline(1.5, color="gray", lw=0.8, ls="--", label="target 1.5x")
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
@@ -255,7 +275,16 @@ def main(argv=None):
                         help="also time each step replayed from a CUDA graph (graph_ms)")
     parser.add_argument("--out", help="CSV file to write")
     parser.add_argument("--plot", help="figure (PNG) to write")
+    parser.add_argument("--replot", metavar="CSV",
+                        help="only draw --plot from this earlier run's CSV (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.replot:
+        from tests.benchmark.report import load
+        if not args.plot:
+            parser.error("--replot needs --plot")
+        rows = load(args.replot)
+        plot(rows, args.plot, rows[0].get("device") or "GPU")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("fwd_bwd needs a CUDA GPU")
     impls = args.impls.split(",")
