@@ -774,3 +774,15 @@ def test_memory_probe_checks_its_shape(capsys):
     with pytest.raises(SystemExit):
         memory_probe.main(["--shape", "8x2048"])
     assert "--shape must be batch x seqlen x nheads x ngroups" in capsys.readouterr().err
+
+
+def test_fwd_bwd_runs_part_of_the_grid():
+    """--grid-seqlens / --grid-dstates pick part of the grid (a long run made in parts); a value
+    outside the grid is refused, naming the option."""
+    from tests.benchmark.fwd_bwd import GRID, grid_points
+    assert grid_points() == GRID and len(GRID) == 9
+    part = grid_points([4096, 16384], [256])
+    assert [(s["seqlen"], s["dstate"]) for s in part] == [(4096, 256), (16384, 256)]
+    assert [s["dstate"] for s in grid_points([65536])] == [64, 128, 256]
+    with pytest.raises(ValueError, match=r"--grid-dstates \[512\] not in the grid's"):
+        grid_points(dstates=[128, 512])

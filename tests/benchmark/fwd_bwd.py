@@ -3,10 +3,12 @@ side by side.
 
     python -m tests.benchmark.fwd_bwd [--models mamba2-2.7b-train ...] [--grid] [--chunks 256,128]
         [--impls triton,cutile,tilegym] [--warm-procs 16] [--graph] [--out F.csv] [--plot F.png]
+    python -m tests.benchmark.fwd_bwd --models --grid --grid-seqlens 4096 --impls triton,tilegym
+    python -m tests.benchmark.fwd_bwd --replot F.csv --plot F.png      # no GPU needed
 
 Shapes: the model shapes of ``tests/benchmark/models.py`` (``--models``; all by default) and, with
 ``--grid``, batch 1 x L in {4K, 16K, 64K} x dstate in {64, 128, 256}, 80 heads of headdim 64,
-1 group. bf16, D, dt_bias, softplus; the same seeded inputs (``bench_forward.make_inputs``) and
+1 group (``--grid-seqlens`` / ``--grid-dstates``: a part of it). bf16, D, dt_bias, softplus; the same seeded inputs (``bench_forward.make_inputs``) and
 the same output gradient for every implementation:
 
     triton    mamba_ssm's ``mamba_chunk_scan_combined`` (autograd), chunk 256
@@ -48,8 +50,22 @@ import torch
 
 IMPLS = ("triton", "cutile", "tilegym")
 LEAVES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+GRID_SEQLENS, GRID_DSTATES = (4096, 16384, 65536), (64, 128, 256)
 GRID = [dict(batch=1, seqlen=L, nheads=80, headdim=64, ngroups=1, dstate=n)
-        for L in (4096, 16384, 65536) for n in (64, 128, 256)]
+        for L in GRID_SEQLENS for n in GRID_DSTATES]
+
+
+def grid_points(seqlens=None, dstates=None):
+    """The grid's shapes with seqlen in ``seqlens`` and dstate in ``dstates`` (None: all), so
+    that a long run (TileGym's autotuning takes minutes per shape) can be made in parts; a value
+    outside the grid is refused."""
+    for name, wanted, known in (("seqlens", seqlens, GRID_SEQLENS),
+                                ("dstates", dstates, GRID_DSTATES)):
+        unknown = sorted(set(wanted or ()) - set(known))
+        if unknown:
+            raise ValueError(f"--grid-{name} {unknown} not in the grid's {list(known)}")
+    return [s for s in GRID if (not seqlens or s["seqlen"] in seqlens)
+            and (not dstates or s["dstate"] in dstates)]
 
 
 def _scan(impl):
@@ -264,6 +280,8 @@ def main(argv=None):
     parser.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS),
                         help="model shapes (default: all; none with --grid alone)")
     parser.add_argument("--grid", action="store_true", help="also the L x dstate grid")
+    parser.add_argument("--grid-seqlens", help="only these of the grid's seqlens, e.g. 4096,16384")
+    parser.add_argument("--grid-dstates", help="only these of the grid's dstates, e.g. 64,128")
     parser.add_argument("--chunks", default="256,128", help="this project's chunks, e.g. 256,128")
     parser.add_argument("--impls", default="triton,cutile,tilegym")
     parser.add_argument("--tilegym-chunk", type=int, default=64)
@@ -296,7 +314,12 @@ def main(argv=None):
     shapes = [(n, {k: MODELS[n][k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups",
                                              "dstate")}) for n in names]
     if args.grid:
-        shapes += [(shape_text(s), s) for s in GRID]
+        ints = lambda text: [int(v) for v in text.split(",")] if text else None
+        try:
+            points = grid_points(ints(args.grid_seqlens), ints(args.grid_dstates))
+        except ValueError as e:
+            parser.error(str(e))
+        shapes += [(shape_text(s), s) for s in points]
     if args.warm_procs:
         jobs = [(s, impl, c, part, args.tilegym_parts if impl == "tilegym" else 1)
                 for _, s in shapes for impl, c in _runs(s, impls, chunks, args.tilegym_chunk)
