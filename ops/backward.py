@@ -39,9 +39,9 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     mamba_ssm's Triton): dB per head from chunk_states, float32 (b, L, h, n) 671 MB; dx's float32
     partials and their sums, 5 x 336 MB; float32 copies of dout, x and their product in the gate;
     the recomputed y, never read without z; float32 dentry and dS.
-    Now 425 MiB at chunk 256 and 577 MiB at 128 (the chunk an H200 computes a caller's 256 at:
-    ``ops/compute_chunk.py``), at the peak, compute_out's token launch (745 / 897 MiB with z,
-    whose dz and dy in x's dtype add 2 x 160 MiB), MiB at 256 (128):
+    Now the peak is compute_out's token launch: 425 MiB at chunk 256, 577 MiB at 128 (the chunk
+    an H200 computes a caller's 256 at: ``ops/compute_chunk.py``); with z, whose dz and dy in
+    x's dtype add 2 x 160 MiB, 745 and 897 MiB. Alive there, MiB at 256 (at 128):
         dx in x's dtype 160, written once by the token launch (no float32 dx)
         dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
         entry states 80 (160), freed after compute_out's token launch
@@ -54,7 +54,9 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     Measured on an H200 as a training step's peak (``tests/benchmark/fwd_bwd.py``, the forward's
     output and the gradients included): 949 MiB computing at 128 and 715 MiB at exactly the
     caller's 256, against 713 MiB for mamba_ssm's Triton at chunk 256
-    (``results/fwd_bwd_h200.csv``, ``results/fwd_bwd_caller_h200.csv``).
+    (``results/fwd_bwd_h200.csv``, ``results/fwd_bwd_caller_h200.csv``). At 128 that is about
+    200 MiB more than this accounting, the forward's output and the gradients make (the
+    forward's entry states are 160); ``tests/benchmark/memory_probe.py`` looks for what holds it.
 
 Saved and recomputed
     The operator saves only its inputs. The backward runs the forward kernels once more,
@@ -102,7 +104,7 @@ KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
 BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
 # The chain's own choices over a backward kernel's default config (a kernel's default is the
 # kernel as first written, for its standalone use): the pass over the states forms dentry
-# itself (``ops/bwd_pass_state.py``'s FUSE_ENTRY: 7-15% less time per training step at chunks
+# itself (``ops/bwd_pass_state.py``'s FUSE_ENTRY: 6-13% less time per training step at chunks
 # 64-128 on an H200, no dentry buffer). A config given for the kernel is taken over these.
 BACKWARD_DEFAULTS = {"bwd_pass_state": {"FUSE_ENTRY": True}}
 

@@ -437,9 +437,10 @@ def scores_in_memory(dstate):
     not pay). At dstate 256 the backward alone (``results/bwd_compute_out_variants_h200.csv``)
     was within about 3% either way, so it stays off there; smaller dstates are untimed and kept off,
     as at 64. The buffer, (b, chunks, g, CHUNK, CHUNK) float32, lives while the token kernel
-    runs (``ops/backward.py``'s memory accounting counts it): by that accounting it leaves the
-    backward's peak alone at chunk 128 and raises it at 256 (130M training 271 -> 303 MiB, 2.7B
-    409 -> 425, 8B hybrid 680 -> 808)."""
+    runs (``ops/backward.py``'s memory accounting counts it): by that accounting it raises the
+    backward's peak by 8-64 MiB at chunk 128, the H200's default for a caller's 256
+    (``ops/compute_chunk.py``; 130M training 367 -> 383 MiB, 2.7B 569 -> 577, 8B hybrid 936 ->
+    1000), and at 256 130M 271 -> 303, 2.7B 409 -> 425, 8B 680 -> 808."""
     return tile_size(dstate) == 128
 
 
@@ -452,10 +453,11 @@ def fuse_states(dstate, tokens=None):
     6.50 -> 5.91 / 7.04 -> 6.49, 64K 27.17 -> 22.80 / 29.80 -> 24.95); at dstate 128 it took
     30-36% more time unfused. Its cost is memory: dx in float32 until the end, and
     ``bwd_chunk_states``' dB partials. By ``ops/backward.py``'s memory accounting that raises the
-    backward's peak at chunk 256 by 138 MiB at 16K and 183 MiB at 64K (not at chunk 128, where
-    the pass over the states peaks), which keeps a training step's scan under mamba_ssm's Triton
-    peak there (by the measured fused peaks: 1018 + 138 against 1189 MiB, 4004 + 183 against
-    4733). Shorter sequences and dstate 512 were not timed unfused: fused, as before."""
+    backward's peak at chunk 128 (the H200's default for a caller's 256: ``ops/compute_chunk.py``)
+    from 953 to 1113 MiB at 16K and from 3428 to 4068 at 64K (at 256: 633 -> 793, 2148 -> 2788);
+    a training step's scan there peaked at 1638 and 6263 MiB on the H200, against 1187 and 4733
+    for mamba_ssm's Triton (``results/fwd_bwd_h200.csv``). Shorter sequences and dstate 512 were
+    not timed unfused: fused, as before."""
     long = tokens is None or tokens >= 16384
     return not (tile_size(dstate) == 256 and long)
 

@@ -29,14 +29,16 @@ loads), STORE_LAT (of the dS stores), and the compiler hints occupancy and num_w
 
 FUSE_ENTRY=True forms each chunk's dentry tile in the walk itself, from dy and C
 (``bwd_compute_out.entry_gradient``, over ENTRY_BLOCK_T-token tiles), as the forward's pass
-forms each chunk's own state from x and B: no dentry buffer ((b, c, h, p, n) float32, the
-backward's peak at chunk 128 without it) and no entry launch, for a walk that does a product
-per chunk. It takes other inputs (dy and C instead of dentry), so the kernel's own default and
-search space keep the walk as first written, reading dentry; ``ops/backward.py`` runs it with
-FUSE_ENTRY (``BACKWARD_DEFAULTS``), measured on an H200 (a training step's scan, bf16, best of
-two rounds, ms without -> with it, ``tests/benchmark/results/bwd_fuse_entry_h200.csv``): 7-15%
-less time at chunks 64 and 128 (2.7B training 8 x 2K x 80 heads 2.99 -> 2.77 at 128, 3.15 ->
-2.74 at 64; 8B hybrid 4.77 -> 4.44, 5.03 -> 4.37; 130M training 1.92 -> 1.80), 1-2% at 256.
+forms each chunk's own state from x and B: no dentry buffer ((b, c, h, p, n) float32, alive
+through this walk, whose step is then the backward's peak at chunk 128) and no entry launch, for
+a walk that does a product per chunk. It takes other inputs (dy and C instead of dentry), so the
+kernel's own default and search space keep the walk as first written, reading dentry;
+``ops/backward.py`` runs it with FUSE_ENTRY (``BACKWARD_DEFAULTS``), measured on an H200 (a
+training step's scan, bf16, best of two rounds, ms without -> with it,
+``tests/benchmark/results/bwd_fuse_entry_h200.csv``): 6-13% less time at chunks 64 and 128 (2.7B
+training 8 x 2K x 80 heads 2.99 -> 2.77 at 128, 3.15 -> 2.74 at 64; 8B hybrid 4.77 -> 4.44, 5.03
+-> 4.37; 130M training 1.92 -> 1.80), 1-2% at 256; at the host-bound 2.7B prefill shape (1 x 4K)
+between 10% more and 7% less, within its rounds' spread.
 """
 import torch
 

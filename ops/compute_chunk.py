@@ -22,23 +22,24 @@ training 8 x 2K x 80 0.423 -> 0.379, 2.7B prefill 1 x 4K x 80 0.137 -> 0.124, 8B
 dstate 128 1.809 -> 1.569, 64K dstate 256 2.463 -> 2.250, 256K dstate 128 7.272 -> 6.412
 (``fwd_pass_state_split_h200.csv``, the defaults' rows); 16K dstate 64 0.438 -> 0.378
 (``chunk_sweep_h200.csv``); 16K dstate 64 / 128 / 256 0.441 -> 0.378, 0.463 -> 0.411, 0.635
--> 0.579, 64K 1.674 -> 1.463, 1.797 -> 1.558, 2.436 -> 2.233 (``fwd_bwd_d971a0b_h200.csv``'s
-fwd_ms).
+-> 0.579, 64K 1.674 -> 1.463, 1.797 -> 1.558, 2.436 -> 2.233 (``fwd_bwd_h200.csv``'s fwd_ms as
+committed at 83edc7f, before the forward computed at 128 by default).
 At 1 x 4K x 80 and dstate 64 nothing timed it reliably (that last harness is not made for a
 0.13 ms forward: it timed the same 4K shape at 0.135 and 0.222 ms in one run), so at dstate 64
 "auto" starts at 16K tokens. (Chunk 64 was faster still at 16K x dstate 64, 0.347 ms in
 ``chunk_sweep_h200.csv``: one point, not yet a rule.)
 
 And a training step's scan (forward + backward through autograd, bf16, D, dt_bias, softplus;
-``tests/benchmark/fwd_bwd.py``), ms with the backward at chunk 256 -> 128, the forward at 128
-in both: 130M training 3.29 -> 2.98, 2.7B training 3.40 -> 2.96, 8B hybrid 5.71 -> 4.77, 1 x 80
-heads at 16K dstate 64 / 128 / 256 3.03 -> 2.85, 3.51 -> 3.12, 7.05 -> 6.47, at 64K 11.67 ->
-9.20, 14.11 -> 11.84, 27.01 -> 24.91 (``fwd_bwd_d971a0b_h200.csv``; at 4K tokens and the 2.7B
-prefill shape, where the step is host-bound, within 2% either way). With the pass over the
-states forming dentry itself (``ops.backward.BACKWARD_DEFAULTS``), which gains most at 128, the
-kernels' forward then backward called directly, both at the chunk (``config_sweep.py --what
-step``), 256 -> 128: 130M 2.23 -> 1.80, 2.7B 3.41 -> 2.77, 8B 5.75 -> 4.44
-(``bwd_fuse_entry_h200.csv``). So the backward computes at the forward's chunk.
+``tests/benchmark/fwd_bwd.py``), ms with the backward at chunk 256 -> 128, the forward at 128 in
+both (but at 1 x 4K x dstate 64, where it stays at 256): 130M training 3.29 -> 2.98, 2.7B
+training 3.40 -> 2.96, 8B hybrid 5.71 -> 4.77, 1 x 80 heads at 16K dstate 64 / 128 / 256 3.03 ->
+2.85, 3.51 -> 3.12, 7.05 -> 6.47, at 64K 11.67 -> 9.20, 14.11 -> 11.84, 27.01 -> 24.91
+(``fwd_bwd_d971a0b_h200.csv``; at 4K tokens and the 2.7B prefill shape, where the step is
+host-bound, within 2.5% either way). With the pass over the states forming dentry itself
+(``ops.backward.BACKWARD_DEFAULTS``), which gains most at 128, the kernels' forward then
+backward called directly, both at the chunk (``config_sweep.py --what step``), 256 -> 128: 130M
+2.23 -> 1.80, 2.7B 3.41 -> 2.77, 8B 5.75 -> 4.44 (``bwd_fuse_entry_h200.csv``). So the backward
+computes at the forward's chunk.
 
 Where "auto" applies (``AUTO_RULES``): a GPU whose name says H200, bf16 inputs, a caller's chunk
 of 256, headdim up to 64, dstate 65-256 from 2K tokens and 33-64 from 16K, and entry states at

@@ -751,10 +751,10 @@ def test_memory_probe_finds_what_is_alive_at_the_peak():
     the blocks alive at it, largest first, each named by its innermost frame in this project; a
     block freed before the peak is not among them, and a free of a block allocated before the
     trace began is ignored."""
-    from tests.benchmark.memory_probe import live_at_peak, origin
+    from tests.benchmark.memory_probe import ROOT, live_at_peak, origin
     frame = lambda f, line, name: dict(filename=f, line=line, name=name)
-    ours = [frame("/usr/lib/torch/x.py", 1, "empty"), frame("/work/main/ops/utils.py", 60,
-                                                              "new_output")]
+    ours = [frame("/usr/lib/site-packages/mamba_ssm/ops/x.py", 1, "empty"),
+            frame(os.path.join(ROOT, "ops", "utils.py"), 60, "new_output")]
     trace = [dict(action="free_requested", addr=9, size=50),          # from before the trace
              dict(action="alloc", addr=1, size=100, frames=ours),
              dict(action="alloc", addr=2, size=30, frames=[]),
@@ -766,7 +766,7 @@ def test_memory_probe_finds_what_is_alive_at_the_peak():
              dict(action="alloc", addr=5, size=10)]
     peak, alive = live_at_peak(trace)
     assert peak == 640 and [e["addr"] for e in alive] == [4, 1, 3]
-    assert origin(alive[0]) == "utils.py:60 new_output" and origin(trace[2]) == "?"
+    assert origin(alive[0]) == "ops/utils.py:60 new_output" and origin(trace[2]) == "?"
 
 
 def test_memory_probe_checks_its_shape(capsys):
@@ -779,6 +779,7 @@ def test_memory_probe_checks_its_shape(capsys):
 def test_fwd_bwd_runs_part_of_the_grid():
     """--grid-seqlens / --grid-dstates pick part of the grid (a long run made in parts); a value
     outside the grid is refused, naming the option."""
+    from tests.benchmark import fwd_bwd
     from tests.benchmark.fwd_bwd import GRID, grid_points
     assert grid_points() == GRID and len(GRID) == 9
     part = grid_points([4096, 16384], [256])
@@ -786,3 +787,5 @@ def test_fwd_bwd_runs_part_of_the_grid():
     assert [s["dstate"] for s in grid_points([65536])] == [64, 128, 256]
     with pytest.raises(ValueError, match=r"--grid-dstates \[512\] not in the grid's"):
         grid_points(dstates=[128, 512])
+    with pytest.raises(SystemExit):                          # part of a grid not asked for
+        fwd_bwd.main(["--grid-seqlens", "4096"])

@@ -67,7 +67,8 @@ def test_the_chunk_for_a_call(env):
     env("64")
     assert compute_chunk.kernel_chunk(256, x, B) == 64
     env("caller")
-    assert compute_chunk.kernel_chunk(256, x, B) == 256 and compute_chunk.kernel_chunk(32, x, B) == 32
+    assert compute_chunk.kernel_chunk(256, x, B) == 256
+    assert compute_chunk.kernel_chunk(32, x, B) == 32
 
 
 def _problem(dtype, seqlen=160):

@@ -7,9 +7,10 @@ side by side.
     python -m tests.benchmark.fwd_bwd --replot F.csv --plot F.png      # no GPU needed
 
 Shapes: the model shapes of ``tests/benchmark/models.py`` (``--models``; all by default) and, with
-``--grid``, batch 1 x L in {4K, 16K, 64K} x dstate in {64, 128, 256}, 80 heads of headdim 64,
-1 group (``--grid-seqlens`` / ``--grid-dstates``: a part of it). bf16, D, dt_bias, softplus; the same seeded inputs (``bench_forward.make_inputs``) and
-the same output gradient for every implementation:
+``--grid``, batch 1 x L in {4K, 16K, 64K} x dstate in {64, 128, 256}, 80 heads of headdim 64, 1
+group (``--grid-seqlens`` / ``--grid-dstates``: a part of it). bf16, D, dt_bias, softplus; the same
+seeded inputs (``bench_forward.make_inputs``) and the same output gradient for every
+implementation:
 
     triton    mamba_ssm's ``mamba_chunk_scan_combined`` (autograd), chunk 256
     cutile    this project's (autograd through ``ops/backward.py``), at each of ``--chunks``
@@ -253,12 +254,12 @@ def plot(rows, path, device):
     for color, (impl, chunk) in enumerate(sorted({(r["impl"], r["chunk"]) for r in rows
                                                    if r["impl"] != "triton"})):
         found = [pick(s, impl, chunk) for s in labels]
-        series.append((f"{impl}, chunk {chunk}", None, f"C{color}",
+        series.append((f"{impl}, called with chunk {chunk}", None, f"C{color}",
                        [r["speedup"] if r else float("nan") for r in found]))
         graphed = [_graph_speedup(rows, r) if r else float("nan") for r in found]
         if any(v == v for v in graphed):
-            series.append((f"{impl}, chunk {chunk}, CUDA graph (GPU time)", "//", f"C{color}",
-                           graphed))
+            series.append((f"{impl}, called with chunk {chunk}, CUDA graph (GPU time)", "//",
+                           f"C{color}", graphed))
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(labels)), 4.5))
     width = 0.8 / max(len(series), 1)
     for k, (label, hatch, color, vals) in enumerate(series):
@@ -296,6 +297,8 @@ def main(argv=None):
     parser.add_argument("--replot", metavar="CSV",
                         help="only draw --plot from this earlier run's CSV (no GPU needed)")
     args = parser.parse_args(argv)
+    if (args.grid_seqlens or args.grid_dstates) and not args.grid:
+        parser.error("--grid-seqlens and --grid-dstates choose part of --grid: give --grid too")
     if args.replot:
         from tests.benchmark.report import load
         if not args.plot:
