@@ -109,6 +109,13 @@ BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bw
 BACKWARD_DEFAULTS = {"bwd_pass_state": {"FUSE_ENTRY": True}}
 
 
+def entry_read_dtype(x_dtype, stored_dtype):
+    """The dtype the backward kernels read the entry states in: as stored when that is x's dtype
+    or float32; other stored dtypes (fp16 states of bf16 inputs, 16-bit states of float32 ones)
+    are widened, exactly, to float32."""
+    return stored_dtype if stored_dtype in (x_dtype, torch.float32) else torch.float32
+
+
 def backward_config(configs, name):
     """The config ``kernel_backward`` runs backward kernel ``name`` with: ``BACKWARD_DEFAULTS``'
     keys, then those of ``configs[name]`` (a missing key: the kernel's default)."""
@@ -142,8 +149,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     from .bwd_compute_out import default_config as out_config
     configs = configs or {}
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
-    se = torch.empty((), dtype=states_dtype or dtype).element_size()
-    se = se if (states_dtype or dtype) in (dtype, torch.float32) else f32   # widened
+    entry_dtype = entry_read_dtype(dtype, states_dtype or dtype)
+    se = torch.empty((), dtype=entry_dtype).element_size()
     shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups,
                  dstate=dstate, chunk_size=chunk_size)
     nchunks = -(-seqlen // chunk_size)
@@ -156,9 +163,6 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     out_cfg = resolve_config(configs.get("bwd_compute_out"), out_config(**shape))
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
-    entry_dtype = states_dtype or dtype
-    if entry_dtype not in (dtype, torch.float32):
-        entry_dtype = torch.float32                           # widened, as kernel_backward does
     fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state"), pass_state_config(
         headdim=headdim, dstate=dstate, dtype=entry_dtype))["FUSE_ENTRY"]
     dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
@@ -362,10 +366,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     if not run_kernels:
         return grads
 
-    # bwd_compute_out takes entry states in x's dtype or float32: other stored dtypes (fp16
-    # states of bf16 inputs, 16-bit states of float32 ones) widen exactly to float32.
-    if entry.dtype not in (x.dtype, torch.float32):
-        entry = entry.float()
+    # bwd_compute_out takes entry states in x's dtype or float32 (entry_read_dtype)
+    entry = entry.to(entry_read_dtype(x.dtype, entry.dtype))
     x_, B_, C_, dt_ = x.contiguous(), B.contiguous(), C.contiguous(), dt.contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     out_inputs = (dy, x_, B_, C_, dt_out, dA_cumsum, entry, seq_idx)
