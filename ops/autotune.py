@@ -351,10 +351,14 @@ def table():
     return _TABLE
 
 
-def export_table(cache_paths, out_path=TABLE_PATH):
+def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
     """Write the searches' winners of autotune caches as a table: one entry per kernel, device
-    and shape (the latest search where a shape was searched more than once). Returns the count."""
+    and shape (the latest search where a shape was searched more than once). With ``keep`` (a
+    table's path), that table's entries stay where no cache searched their shape, so a refresh
+    of some shapes leaves the others' tuning in place. Returns the count."""
     best = {}
+    for entry in (Table.load(keep).entries if keep else []):
+        best[(entry["kernel"], entry["device"], tuple(sorted(entry["shape"].items())))] = entry
     for path in cache_paths:
         with open(path) as f:
             cache = json.load(f)

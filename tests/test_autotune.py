@@ -259,6 +259,21 @@ def test_export_keeps_the_latest_search_of_each_shape(tmp_path):
     assert [e["config"] for e in t.entries] == [CONFIGS[1]]
 
 
+def test_export_with_keep_refreshes_some_shapes_and_keeps_the_others(tmp_path):
+    searched = {**TABLE_SHAPE, "dstate": "256"}
+    other = {**TABLE_SHAPE, "dstate": "64"}
+    old = {"entries": [{"kernel": "compute_out", "device": "Test GPU", "shape": s, "config": CONFIGS[0],
+                        "tuned_at": "2026-01-01 00:00:00"} for s in (searched, other)]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    key = "compute_out|Test GPU|cuda-tile 1.7.0|" + ",".join(f"{k}={v}" for k, v in sorted(
+        {**searched, "space": "s1"}.items()))
+    (tmp_path / "c.json").write_text(json.dumps({key: {"config": CONFIGS[2], "tuned_at": "2026-03-01 00:00:00"}}))
+    assert export_table([tmp_path / "c.json"], tmp_path / "t.json", keep=tmp_path / "old.json") == 2
+    found = {e["shape"]["dstate"]: e["config"] for e in Table.load(tmp_path / "t.json").entries}
+    assert found == {"256": CONFIGS[2], "64": CONFIGS[0]}
+    assert export_table([tmp_path / "c.json"], tmp_path / "t.json") == 1     # without keep: the cache only
+
+
 def _sizes(shape):
     import torch
     out = {}

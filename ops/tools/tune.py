@@ -2,6 +2,7 @@
 
     python -m ops.autotune search --shape batch=8,seqlen=2048,nheads=80 --dstate 128 --jobs 16
     python -m ops.autotune export ~/.cache/mamba2-cutile/autotune.json --out table.json
+    python -m ops.autotune export new_cache.json --keep ops/tuned_configs.json   # refresh some shapes
 
 ``search`` makes random inputs of each shape on the GPU, compiles every candidate config of the
 three kernels in parallel worker processes (each launches its candidate once, so cuTile's disk
@@ -173,7 +174,7 @@ def search(args):
 def export(args):
     from ops.autotune import TABLE_PATH, export_table
     out = args.out or TABLE_PATH
-    print(f"{export_table(args.caches, out)} entries written to {out}")
+    print(f"{export_table(args.caches, out, keep=args.keep)} entries written to {out}")
 
 
 def main(argv=None):
@@ -194,6 +195,8 @@ def main(argv=None):
     e = sub.add_parser("export", help="write caches' winners as a table")
     e.add_argument("caches", nargs="+")
     e.add_argument("--out", help="default: ops/tuned_configs.json")
+    e.add_argument("--keep", metavar="TABLE",
+                   help="keep this table's entries for the shapes the caches did not search")
     e.set_defaults(run=export)
     args = parser.parse_args(argv)
     args.run(args)
