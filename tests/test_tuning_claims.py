@@ -1,7 +1,7 @@
 """What notebook 06 says about the committed H200 measurements, one test per statement.
 
 The numbers come from files measured on an NVIDIA H200 and committed under
-``tests/benchmark/results/``: ``autotune_h200.json`` (the tuner's cache, with the time of every
+``tests/benchmark/results/``: ``autotune_h200.json.gz`` (the tuner's cache, with the time of every
 candidate config at every benchmark shape, read with ``tests.benchmark.tuning_report``),
 ``grid_chunk256_h200.csv`` (the forward pass tuned and untuned) and ``first_timing_h200.csv``
 (the kernels as first written, against mamba_ssm's Triton kernels). Nothing here needs a GPU:
@@ -28,7 +28,7 @@ LAYER = dict(batch=1, nheads=80, headdim=64, ngroups=1, chunk_size=256)   # the 
 
 @pytest.fixture(scope="module")
 def entries():
-    return tuning_report.load(RESULTS / "autotune_h200.json")
+    return tuning_report.load(RESULTS / "autotune_h200.json.gz")
 
 
 def effect(entries, kernel, knob, dstates=None, int32_only=False):

@@ -4,7 +4,7 @@ The tuner keeps, for every (kernel, shape) it searched, the time of every candid
 (CUDA events, GPU time only, on the real inputs). Compared with the default config's time at the
 same shape, each candidate says what its changes bought or cost there.
 
-    python tests/benchmark/tuning_report.py tests/benchmark/results/autotune_h200.json
+    python tests/benchmark/tuning_report.py tests/benchmark/results/autotune_h200.json.gz
     python tests/benchmark/tuning_report.py CACHE --kernel compute_out --seqlen 65536 --dstate 512
 
 ``load(path)`` -> entries (chunk 256's); ``knobs(entry)`` -> one row per candidate (its changes from the
@@ -12,6 +12,7 @@ default, time, speedup); ``best_single_knob(entries, kernel)`` -> for each knob,
 the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape.
 """
 import argparse
+import gzip
 import json
 
 # Knobs, and the names the notebook and tables use for them.
@@ -35,7 +36,8 @@ def load(path, chunk_size=256):
     timings [(ms, config), ...]). The default is the first candidate timed (the search spaces
     put it first); entries without per-candidate timings are skipped. Only entries tuned at
     ``chunk_size`` are kept (None: every chunk size), so that one (seqlen, dstate) names one entry."""
-    with open(path) as f:
+    opener = gzip.open if str(path).endswith(".gz") else open     # caches are committed gzipped
+    with opener(path, "rt") as f:
         raw = json.load(f)
     entries = []
     for key, value in raw.items():
