@@ -404,6 +404,27 @@ def test_warm_compile_covers_every_search_space_config():
     assert warm_compile._tasks(args) == []
 
 
+def test_warm_compile_jobs_put_the_first_lengths_first_in_small_batches():
+    """A warm-up cut short by its limit has compiled the grid's first lengths: our variants go
+    out in order, a few per job, shorter lengths first; each TileGym slice is a job of its own
+    (so one shape's slices compile side by side), before everything else."""
+    import argparse
+    from ops.forward import KERNELS
+    from tests.benchmark import warm_compile
+    args = argparse.Namespace(batch=1, dstates=[64, 128], seqlens=[1024, 16384], nheads=80, headdim=64,
+                              ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=3,
+                              kernels=list(KERNELS))
+    jobs, total = warm_compile._jobs([args])
+    assert total == len(warm_compile._tasks(args)) == sum(len(tasks) for tasks, _ in jobs)
+    searches = [tasks for tasks, _ in jobs if tasks[0][0] == "tilegym"]
+    assert all(len(t) == 1 for t in searches) and len(searches) == 2 * 2 * 2 * 3
+    assert [tasks for tasks, _ in jobs[:len(searches)]] == searches
+    ours = [t for tasks, _ in jobs[len(searches):] for t in tasks]
+    assert all(len(tasks) <= warm_compile.JOB_SIZE for tasks, _ in jobs)
+    lengths = [t[1] for t in ours]
+    assert lengths == sorted(lengths) and set(lengths) == {1024, 16384}
+
+
 def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
     """Each warm-up process sees every n-th of TileGym's configs, forward and backward (a fake
     TileGym module stands in), and TileGym's own functions are restored afterwards."""

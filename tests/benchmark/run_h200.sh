@@ -33,6 +33,12 @@
 #   warm     30 processes compile the 295 chunk-256 variants of 4K-256K (WARM_SEQLENS=16384) in
 #            ~75 s; 1K specializes differently (add 1024). Without it, tuning one cutile point
 #            compiles up to ~80 configs one at a time: 80-190 s per point instead of 1-17 s.
+#            Since the forward computes at 128 for most of the grid (ops/compute_chunk.py), the
+#            search needs WARM_CHUNKS=128,256: at commit ac1da97 that is 1364 variants for 1K and
+#            16K, which 16 processes had not finished in 190 s; the 1K points then tuned for over
+#            300 s each (TASK_TIMEOUT). Give the warm part a 10-minute run of its own on the
+#            machine the grid then runs on, or time the committed table instead
+#            (MAMBA2_CUTILE_AUTOTUNE=table: the whole grid in ~80 s).
 #   grid (60 points without TileGym)
 #     triton   ~1 min: Triton autotunes once per (chunk, dstate) key, 10-30 s each, 4 keys;
 #              with TRITON_CACHE_AUTOTUNING=1 (set below) a restarted worker reuses the results

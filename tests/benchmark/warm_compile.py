@@ -32,6 +32,8 @@ import time
 
 # ops.forward.KERNELS' names, known without importing torch (to parse the arguments)
 KERNEL_NAMES = ("chunk_cumsum", "fwd_pass_state", "compute_out")
+JOB_SIZE = 4                  # our kernels' variants a process takes at a time
+PROGRESS_EVERY_S = 10
 
 
 def _inputs(seqlen, dstate, nheads, headdim, ngroups, batch=1):
@@ -46,9 +48,11 @@ def _tasks(args):
     import torch
     from ops import forward
     tasks, tilegym = [], []
-    for chunk in args.chunks:
-        for dstate in args.dstates:
-            for seqlen in args.seqlens:
+    # Lengths outermost, as the benchmark's grid runs them: a warm-up cut short by its time limit
+    # has then compiled everything the first points need.
+    for seqlen in args.seqlens:
+        for chunk in args.chunks:
+            for dstate in args.dstates:
                 shape = dict(batch=args.batch, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
                              ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
                              dtype=torch.bfloat16, states_dtype=torch.bfloat16)
@@ -57,10 +61,10 @@ def _tasks(args):
                         continue        # it never sees dstate: one set of compiles serves all
                     for cfg in forward.KERNELS[name].search_space(**shape):
                         tasks.append((name, seqlen, dstate, chunk, cfg))
-        if args.tilegym:
-            tilegym += [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
-                        for dstate in args.dstates for seqlen in args.seqlens if seqlen % chunk == 0
-                        for part in range(args.tilegym_parts)]
+    if args.tilegym:
+        tilegym = [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
+                   for chunk in args.chunks for dstate in args.dstates for seqlen in args.seqlens
+                   if seqlen % chunk == 0 for part in range(args.tilegym_parts)]
     return tilegym + tasks      # the long TileGym searches first
 
 
@@ -168,26 +172,41 @@ def parse_args(argv=None):
     return args
 
 
-def warm(arg_sets, procs):
-    """Compile the tasks of every parsed argument set (each its own shape) on one pool of
-    ``procs`` processes: several shapes share the processes instead of each starting its own."""
+def _jobs(arg_sets):
+    """The pool's jobs: each TileGym slice's search alone (the slices of one shape then run side
+    by side), our kernels' variants in small batches of consecutive tasks (one shape's inputs
+    serve a batch), handed out in order, so that progress shows as they finish and the first
+    shapes are compiled first; the long TileGym searches before everything. -> (jobs, total)"""
     jobs, total = [], 0
     for args in arg_sets:
         tasks = _tasks(args)
         total += len(tasks)
-        # Interleave so every process gets a mix of kernels (compile times differ a lot).
-        jobs += [(tasks[i::procs], args) for i in range(procs) if tasks[i::procs]]
+        ours = [t for t in tasks if t[0] != "tilegym"]
+        jobs += [([t], args) for t in tasks if t[0] == "tilegym"]
+        jobs += [(ours[i:i + JOB_SIZE], args) for i in range(0, len(ours), JOB_SIZE)]
+    jobs.sort(key=lambda job: job[0][0][0] != "tilegym")
+    return jobs, total
+
+
+def warm(arg_sets, procs):
+    """Compile the tasks of every parsed argument set (each its own shape) on one pool of
+    ``procs`` processes: several shapes share the processes instead of each starting its own."""
+    jobs, total = _jobs(arg_sets)
     if not jobs:
         print("nothing to compile", flush=True)
         return
-    jobs.sort(key=lambda job: job[0][0][0] != "tilegym")     # the long TileGym searches first
     print(f"compiling {total} kernel variants in {min(procs, len(jobs))} processes", flush=True)
-    t0, done, failed = time.time(), 0, []
+    t0, shown, done, failed = time.time(), 0.0, 0, []
     with mp.get_context("spawn").Pool(min(procs, len(jobs))) as pool:
         for results in pool.imap_unordered(_worker, jobs):
             done += len(results)
             failed += [r for r in results if r[5] != "ok"]
-            print(f"  {done}/{total} done ({time.time() - t0:.0f} s)", flush=True)
+            now = time.time() - t0
+            if now - shown >= PROGRESS_EVERY_S or done == total:
+                last = results[-1]
+                print(f"  {done}/{total} done ({now:.0f} s; last: {last[0]} L={last[1]} "
+                      f"dstate={last[2]} chunk={last[3]})", flush=True)
+                shown = now
     print(f"{total - len(failed)} compiled, {len(failed)} failed, {time.time() - t0:.0f} s")
     for name, seqlen, dstate, chunk, cfg, status, _ in failed:
         print(f"  FAILED {name} L={seqlen} dstate={dstate} chunk={chunk} {cfg}: {status}")
