@@ -46,6 +46,13 @@ project at chunks 128 and 256, two models per command (each well inside 10 minut
     (the same for mamba2-2.7b-prefill and 8b-hybrid-layer: 21 s, then 206 s; the two CSVs
     concatenated)
 
+``results/models_auto_h200.csv`` (sources of commit ac1da97) is the same at a caller's chunk 256
+only, where this project computes at 128 (ops/compute_chunk.py), TileGym at 64, in one command
+after TileGym's warm step (70 s):
+
+    python -m tests.benchmark.models --out models.csv --impls triton,cutile,tilegym \
+        --impl-chunks triton=256,cutile=256,tilegym=64 --task-timeout 150      # 223 s, four models
+
 The warm step compiles TileGym's configs at chunk 64 for the shapes, in one pool of processes,
 into cuTile's disk cache (``warm_compile.py`` with each model's ``--batch --seqlens --nheads
 --ngroups``), so that TileGym's exhaustive autotuning times its configs without compiling each.
