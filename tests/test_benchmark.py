@@ -425,6 +425,31 @@ def test_warm_compile_jobs_put_the_first_lengths_first_in_small_batches():
     assert lengths == sorted(lengths) and set(lengths) == {1024, 16384}
 
 
+def test_warm_compile_compiles_at_the_chunk_the_forward_computes_with(monkeypatch):
+    """The benchmark's calls at chunk 256 compute at 128 on an H200 where ops/compute_chunk.py
+    says so: the warm-up compiles there, once per chunk, dstate and specialization, on the
+    shortest listed length that specializes alike; MAMBA2_CUTILE_COMPUTE_CHUNK=caller (the chunk
+    sweep) keeps the callers' chunks; with no GPU the callers' chunks are all there is."""
+    import argparse
+    from ops import compute_chunk
+    from tests.benchmark import warm_compile
+    args = argparse.Namespace(batch=1, dstates=[64, 128, 256, 512], seqlens=[1024, 4096, 16384, 262144],
+                              nheads=80, headdim=64, ngroups=1, chunks=[256], tilegym=False, tilegym_parts=1,
+                              kernels=["chunk_cumsum", "fwd_pass_state"])
+    monkeypatch.delenv(compute_chunk.ENV, raising=False)
+    assert warm_compile._shapes(args, "NVIDIA H200") == [
+        (1024, 64, 256), (1024, 128, 256), (1024, 256, 256), (1024, 512, 256),
+        (4096, 64, 256), (4096, 128, 128), (4096, 256, 128), (4096, 512, 256),
+        (4096, 64, 128),                      # 16K x 64: at 128 from 16K, compiled on 4K's inputs
+        (4096, 256, 256)]                     # 256K x 256: its entry states at 128 would pass 2**31
+    tasks = warm_compile._tasks(args, "NVIDIA H200")
+    assert sorted({(L, c) for n, L, d, c, _ in tasks if n == "chunk_cumsum"}) == [(1024, 256), (4096, 128), (4096, 256)]
+    caller = [(1024, d, 256) for d in args.dstates] + [(4096, d, 256) for d in args.dstates]
+    assert warm_compile._shapes(args, None) == caller
+    monkeypatch.setenv(compute_chunk.ENV, "caller")
+    assert warm_compile._shapes(args, "NVIDIA H200") == caller
+
+
 def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
     """Each warm-up process sees every n-th of TileGym's configs, forward and backward (a fake
     TileGym module stands in), and TileGym's own functions are restored afterwards."""

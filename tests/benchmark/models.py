@@ -232,8 +232,9 @@ def summary_table(source, markdown=False):
 # The warm step -------------------------------------------------------------------------------
 
 def warm_arg_sets(shapes, impls, impl_chunks, chunks, procs):
-    """warm_compile.py's parsed arguments for each shape: this project's kernels at cutile's (and
-    cutile_default's) chunks, and TileGym's configs at its own chunks, as far as ``impls`` run them."""
+    """warm_compile.py's parsed arguments for each shape: this project's kernels as called at
+    cutile's (and cutile_default's) chunks (warm_compile compiles at the chunk each call computes
+    with), and TileGym's configs at its own chunks, as far as ``impls`` run them."""
     from tests.benchmark import warm_compile
     sets = []
     for s in shapes:

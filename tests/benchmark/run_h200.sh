@@ -8,8 +8,9 @@
 #   tests/benchmark/run_h200.sh profile      # ncu profiles (profile_ncu.sh) with the tuned configs
 #
 # Parts (80 heads x headdim 64, 1 group, bf16, batch 1; L 1K..256K; dstate 64..512):
-#   warm    warm_compile.py: every search-space config of this project's kernels (at WARM_CHUNKS,
-#           default 256, and WARM_SEQLENS, default 1024,16384) and, when tilegym is among IMPLS,
+#   warm    warm_compile.py: every search-space config of this project's kernels (called at
+#           WARM_CHUNKS, default 256, compiled at the chunk the forward computes with there, and
+#           WARM_SEQLENS, default 1024,4096,16384,262144) and, when tilegym is among IMPLS,
 #           TileGym's configs, compiled by WARM_PROCS processes into cuTile's disk cache, so the
 #           timed parts tune without compiling
 #                                                             -> $OUT/warm.log
@@ -34,9 +35,11 @@
 #            ~75 s; 1K specializes differently (add 1024). Without it, tuning one cutile point
 #            compiles up to ~80 configs one at a time: 80-190 s per point instead of 1-17 s.
 #            Since the forward computes at 128 for most of the grid (ops/compute_chunk.py), the
-#            search needs WARM_CHUNKS=128,256: at commit ac1da97 that is 1364 variants for 1K and
-#            16K, which 16 processes had not finished in 190 s; the 1K points then tuned for over
-#            300 s each (TASK_TIMEOUT). Give the warm part a 10-minute run of its own on the
+#            search needs variants at 128 and 256: at commit ac1da97, warming both chunks for 1K
+#            and 16K was 1364 variants, which 16 processes had not finished in 190 s; the 1K
+#            points then tuned for over 300 s each (TASK_TIMEOUT). warm_compile.py now compiles
+#            only the chunk each (length, dstate) computes at, once per specialization: 855
+#            variants for the whole grid's lengths against those 1364. Still give the warm part a 10-minute run of its own on the
 #            machine the grid then runs on, or time the committed table instead
 #            (MAMBA2_CUTILE_AUTOTUNE=table: the whole grid in ~80 s).
 #   grid (60 points without TileGym)
@@ -140,7 +143,7 @@ for p in $PARTS; do
             echo "=== warm: up to ${WARM_LIMIT:-240} s"
             timeout -k 10 "${WARM_LIMIT:-240}" python tests/benchmark/warm_compile.py \
                 --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "${WARM_CHUNKS:-256}" \
-                --seqlens "${WARM_SEQLENS:-1024,16384}" $tg 2>&1 \
+                --seqlens "${WARM_SEQLENS:-1024,4096,16384,262144}" $tg 2>&1 \
                 | tee -a "$OUT/warm.log" | tail -8
             ;;
         profile)

@@ -13,9 +13,14 @@ compiled.
     python tests/benchmark/warm_compile.py --batch 8 --seqlens 2048 --dstates 128 --chunks 64,128,256
     python -m tests.benchmark.models --warm       # the model shapes (tests/benchmark/models.py), one pool
 
-Each (dstate, seqlen) pair stands for the benchmark shapes that specialize alike: 1K tokens have
-4 chunks of 256 (not a multiple of 16), 4K and more have a multiple of 16 chunks. Give the
-benchmark's batch size too (``--batch``): some search spaces depend on it.
+``--chunks`` are the chunks the benchmark calls with; each (length, dstate) compiles at the chunk
+this project's forward then computes with (``ops/compute_chunk.py`` on this GPU, or as
+MAMBA2_CUTILE_COMPUTE_CHUNK says: on an H200 a caller's 256 is mostly computed at 128). A length
+stands for the longer ones that specialize alike at that chunk: 1K tokens have 4 chunks of 256
+(not a multiple of 16), 4K and more have a multiple of 16 chunks; so list the lengths whose chunk
+differs (``--seqlens 1024,4096,16384,262144`` for the grid: 4K x 64 stays at 256, 256K x 256 too)
+and each compiles once, on the shortest such length's inputs. Give the benchmark's batch size too
+(``--batch``): some search spaces depend on it.
 
 ``--tilegym`` also warms TileGym's cuTile kernels the same way: it calls TileGym's forward (which
 runs its own exhaustive autotuning, compiling each of its configs) once per (dstate, seqlen, chunk)
@@ -44,23 +49,63 @@ def _inputs(seqlen, dstate, nheads, headdim, ngroups, batch=1):
                                      "bfloat16")
 
 
-def _tasks(args):
+def _computed_chunk(caller, seqlen, dstate, args, gpu):
+    """The chunk this project's forward computes with when the benchmark calls it at ``caller``
+    (ops/compute_chunk.py: on an H200 often 128 for a caller's 256; MAMBA2_CUTILE_COMPUTE_CHUNK
+    as set, e.g. "caller" for the chunk sweep): the chunk whose variants the tuner will time."""
+    import torch
+    from ops import compute_chunk
+    how = compute_chunk.mode()
+    if how == "caller":
+        return caller
+    if how != "auto":
+        return how
+    return compute_chunk.auto_chunk(caller, gpu=gpu, dtype=torch.bfloat16, batch=args.batch, seqlen=seqlen,
+                                    nheads=args.nheads, headdim=args.headdim, dstate=dstate)
+
+
+def _specializes_as(seqlen, chunk):
+    """What the launches of one chunk size specialize on that depends on the length: whether the
+    tokens and the chunks are multiples of 16 (1K tokens are 4 chunks of 256, 4K and more 16+)."""
+    return seqlen % 16 == 0, -(-seqlen // chunk) % 16 == 0
+
+
+def _shapes(args, gpu=None):
+    """(seqlen, dstate, chunk) to compile at, lengths first as given: each (length, dstate, the
+    caller's chunk) at the chunk the forward computes with, a length standing in for the longer
+    ones that specialize alike at that chunk (so 256K x 256, computed at 256, compiles on 4K's
+    inputs when 4K is listed)."""
+    seen, shapes = set(), []
+    for seqlen in args.seqlens:
+        for caller in args.chunks:
+            for dstate in args.dstates:
+                chunk = _computed_chunk(caller, seqlen, dstate, args, gpu)
+                key = (chunk, dstate, _specializes_as(seqlen, chunk))
+                if key not in seen:
+                    seen.add(key)
+                    stand_in = min(L for L in args.seqlens if _specializes_as(L, chunk) == key[2])
+                    shapes.append((stand_in, dstate, chunk))
+    return shapes
+
+
+def _tasks(args, gpu=None):
     import torch
     from ops import forward
     tasks, tilegym = [], []
     # Lengths outermost, as the benchmark's grid runs them: a warm-up cut short by its time limit
     # has then compiled everything the first points need.
-    for seqlen in args.seqlens:
-        for chunk in args.chunks:
-            for dstate in args.dstates:
-                shape = dict(batch=args.batch, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
-                             ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
-                             dtype=torch.bfloat16, states_dtype=torch.bfloat16)
-                for name in args.kernels:
-                    if name == "chunk_cumsum" and dstate != args.dstates[0]:
-                        continue        # it never sees dstate: one set of compiles serves all
-                    for cfg in forward.KERNELS[name].search_space(**shape):
-                        tasks.append((name, seqlen, dstate, chunk, cfg))
+    cumsums = set()
+    for seqlen, dstate, chunk in _shapes(args, gpu):
+        shape = dict(batch=args.batch, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
+                     ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
+                     dtype=torch.bfloat16, states_dtype=torch.bfloat16)
+        for name in args.kernels:
+            if name == "chunk_cumsum":      # it never sees dstate: one set of compiles per chunk serves all
+                if (seqlen, chunk) in cumsums:
+                    continue
+                cumsums.add((seqlen, chunk))
+            for cfg in forward.KERNELS[name].search_space(**shape):
+                tasks.append((name, seqlen, dstate, chunk, cfg))
     if args.tilegym:
         tilegym = [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
                    for chunk in args.chunks for dstate in args.dstates for seqlen in args.seqlens
@@ -177,9 +222,11 @@ def _jobs(arg_sets):
     by side), our kernels' variants in small batches of consecutive tasks (one shape's inputs
     serve a batch), handed out in order, so that progress shows as they finish and the first
     shapes are compiled first; the long TileGym searches before everything. -> (jobs, total)"""
+    import torch
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     jobs, total = [], 0
     for args in arg_sets:
-        tasks = _tasks(args)
+        tasks = _tasks(args, gpu)
         total += len(tasks)
         ours = [t for t in tasks if t[0] != "tilegym"]
         jobs += [([t], args) for t in tasks if t[0] == "tilegym"]
