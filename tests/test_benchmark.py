@@ -835,3 +835,18 @@ def test_fwd_bwd_runs_part_of_the_grid():
         grid_points(dstates=[128, 512])
     with pytest.raises(SystemExit):                          # part of a grid not asked for
         fwd_bwd.main(["--grid-seqlens", "4096"])
+
+
+def test_fwd_bwd_warms_tilegym_once_per_specialization():
+    """TileGym's exhaustive compiles run once for the shapes that specialize alike (the grid's
+    4K, 16K and 64K at one dstate), on the shortest, in ``tilegym_parts`` processes, before the
+    others' first steps; every shape still warms this project's and Triton's first step."""
+    from tests.benchmark import fwd_bwd
+    shapes = fwd_bwd.grid_points() + [dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128)]
+    jobs = fwd_bwd.warm_jobs(shapes, ("triton", "cutile", "tilegym"), [256], 64, 4)
+    tilegym = [(s["batch"], s["seqlen"], s["dstate"], part) for s, impl, c, part, n in jobs if impl == "tilegym"]
+    assert tilegym == [(8, 2048, 128, p) for p in range(4)] + [
+        (1, 4096, n, p) for n in (64, 128, 256) for p in range(4)]
+    assert all(impl == "tilegym" for _, impl, *_ in jobs[:len(tilegym)])
+    ours = sorted((s["batch"], s["seqlen"], s["dstate"]) for s, impl, *_ in jobs if impl == "cutile")
+    assert ours == sorted((s["batch"], s["seqlen"], s["dstate"]) for s in shapes)

@@ -41,7 +41,9 @@ disk caches. TileGym autotunes exhaustively (about a hundred configs for each of
 kernels, each compiled on first use), which one process does one config at a time: so its
 configs are shared out among ``--tilegym-parts`` processes per shape, each compiling every
 n-th config of each list (``warm_compile.tilegym_configs_sliced``), and the timed run's own
-search finds them compiled.
+search finds them compiled. Shapes that compile alike (the grid's 4K, 16K and 64K at one dstate)
+share one such warm-up (``warm_jobs``). TileGym's search still times its configs at every shape:
+40-100 s per shape on the H200.
 """
 import argparse
 import multiprocessing as mp
@@ -200,6 +202,28 @@ def _runs(shape, impls, chunks, tilegym_chunk):
     return runs
 
 
+def warm_jobs(shapes, impls, chunks, tilegym_chunk, tilegym_parts):
+    """The first steps ``--warm-procs`` runs: one per shape and run, but TileGym's exhaustive
+    compiles (``tilegym_parts`` processes each) only once for the shapes that specialize alike
+    (the same sizes but the length, whose tokens and chunks are multiples of 16 or not alike:
+    ``warm_compile._specializes_as``), on the shortest: the grid's 4K, 16K and 64K at one dstate
+    compile the same kernels. TileGym's first, the longest."""
+    from tests.benchmark.warm_compile import _specializes_as
+    jobs, compiled = [], set()
+    for s in sorted(shapes, key=lambda s: s["seqlen"]):
+        for impl, c in _runs(s, impls, chunks, tilegym_chunk):
+            if impl == "tilegym":
+                key = (c, _specializes_as(s["seqlen"], c),
+                       *(s[k] for k in ("batch", "nheads", "headdim", "ngroups", "dstate")))
+                if key in compiled:
+                    continue
+                compiled.add(key)
+            parts = tilegym_parts if impl == "tilegym" else 1
+            jobs += [(s, impl, c, part, parts) for part in range(parts)]
+    jobs.sort(key=lambda job: job[1] != "tilegym")
+    return jobs
+
+
 def _warm(job):
     """One first step in a fresh process: its compiled kernels land in the disk caches. For
     TileGym, one ``part`` of ``nparts`` of each of its autotuning lists (forward and backward:
@@ -324,10 +348,7 @@ def main(argv=None):
             parser.error(str(e))
         shapes += [(shape_text(s), s) for s in points]
     if args.warm_procs:
-        jobs = [(s, impl, c, part, args.tilegym_parts if impl == "tilegym" else 1)
-                for _, s in shapes for impl, c in _runs(s, impls, chunks, args.tilegym_chunk)
-                for part in range(args.tilegym_parts if impl == "tilegym" else 1)]
-        jobs.sort(key=lambda job: job[1] != "tilegym")     # the long TileGym compiles first
+        jobs = warm_jobs([s for _, s in shapes], impls, chunks, args.tilegym_chunk, args.tilegym_parts)
         start = time.perf_counter()
         with mp.get_context("spawn").Pool(args.warm_procs) as pool:
             for line in pool.imap_unordered(_warm, jobs):
