@@ -24,6 +24,7 @@ Environment:
 parallel, and export caches into a table. A candidate that fails (a compile error, a launch
 error) is skipped and reported, never fatal. The CPU interpreter always runs the default config.
 """
+import gzip
 import json
 import math
 import os
@@ -352,15 +353,15 @@ def table():
 
 
 def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
-    """Write the searches' winners of autotune caches as a table: one entry per kernel, device
-    and shape (the latest search where a shape was searched more than once). With ``keep`` (a
-    table's path), that table's entries stay where no cache searched their shape, so a refresh
-    of some shapes leaves the others' tuning in place. Returns the count."""
+    """Write the searches' winners of autotune caches (JSON, or gzipped JSON: ``.gz``) as a
+    table: one entry per kernel, device and shape (the latest search where the caches searched
+    a shape more than once). With ``keep`` (a table's path), that table's entries stay for the
+    shapes no cache searched, so a refresh of some shapes leaves the others' tuning in place;
+    a shape the caches searched takes their winner. Returns the count."""
     best = {}
-    for entry in (Table.load(keep).entries if keep else []):
-        best[(entry["kernel"], entry["device"], tuple(sorted(entry["shape"].items())))] = entry
     for path in cache_paths:
-        with open(path) as f:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt") as f:
             cache = json.load(f)
         for key, value in cache.items():
             if key.endswith(FAULTED):
@@ -372,6 +373,8 @@ def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
                      "config": value["config"], "tuned_at": value.get("tuned_at", "")}
             if ident not in best or entry["tuned_at"] >= best[ident]["tuned_at"]:
                 best[ident] = entry
+    for entry in (Table.load(keep).entries if keep else []):
+        best.setdefault((entry["kernel"], entry["device"], tuple(sorted(entry["shape"].items()))), entry)
     entries = [best[k] for k in sorted(best)]
     with open(out_path, "w") as f:
         json.dump({"about": "winners of autotune searches (python -m ops.autotune export); "

@@ -1,4 +1,5 @@
 """The autotuner's bookkeeping, on the CPU: a fake timer stands in for the GPU."""
+import gzip
 import io
 import json
 import os
@@ -267,11 +268,13 @@ def test_export_with_keep_refreshes_some_shapes_and_keeps_the_others(tmp_path):
     (tmp_path / "old.json").write_text(json.dumps(old))
     key = "compute_out|Test GPU|cuda-tile 1.7.0|" + ",".join(f"{k}={v}" for k, v in sorted(
         {**searched, "space": "s1"}.items()))
-    (tmp_path / "c.json").write_text(json.dumps({key: {"config": CONFIGS[2], "tuned_at": "2026-03-01 00:00:00"}}))
-    assert export_table([tmp_path / "c.json"], tmp_path / "t.json", keep=tmp_path / "old.json") == 2
+    # a search replaces the kept entry of its shape, even one stamped earlier (another machine's clock)
+    with gzip.open(tmp_path / "c.json.gz", "wt") as f:
+        json.dump({key: {"config": CONFIGS[2], "tuned_at": "2025-03-01 00:00:00"}}, f)
+    assert export_table([tmp_path / "c.json.gz"], tmp_path / "t.json", keep=tmp_path / "old.json") == 2
     found = {e["shape"]["dstate"]: e["config"] for e in Table.load(tmp_path / "t.json").entries}
     assert found == {"256": CONFIGS[2], "64": CONFIGS[0]}
-    assert export_table([tmp_path / "c.json"], tmp_path / "t.json") == 1     # without keep: the cache only
+    assert export_table([tmp_path / "c.json.gz"], tmp_path / "t.json") == 1     # without keep: the cache only
 
 
 def _sizes(shape):

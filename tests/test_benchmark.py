@@ -414,7 +414,7 @@ def test_warm_compile_jobs_put_the_first_lengths_first_in_small_batches():
     args = argparse.Namespace(batch=1, dstates=[64, 128], seqlens=[1024, 16384], nheads=80, headdim=64,
                               ngroups=1, chunks=[128, 256], tilegym=True, tilegym_parts=3,
                               kernels=list(KERNELS))
-    jobs, total = warm_compile._jobs([args])
+    jobs, total = warm_compile._jobs([args], gpu=None)
     assert total == len(warm_compile._tasks(args)) == sum(len(tasks) for tasks, _ in jobs)
     searches = [tasks for tasks, _ in jobs if tasks[0][0] == "tilegym"]
     assert all(len(t) == 1 for t in searches) and len(searches) == 2 * 2 * 2 * 3
@@ -435,19 +435,29 @@ def test_warm_compile_compiles_at_the_chunk_the_forward_computes_with(monkeypatc
     from tests.benchmark import warm_compile
     args = argparse.Namespace(batch=1, dstates=[64, 128, 256, 512], seqlens=[1024, 4096, 16384, 262144],
                               nheads=80, headdim=64, ngroups=1, chunks=[256], tilegym=False, tilegym_parts=1,
-                              kernels=["chunk_cumsum", "fwd_pass_state"])
+                              kernels=["chunk_cumsum", "compute_out"])
     monkeypatch.delenv(compute_chunk.ENV, raising=False)
-    assert warm_compile._shapes(args, "NVIDIA H200") == [
-        (1024, 64, 256), (1024, 128, 256), (1024, 256, 256), (1024, 512, 256),
-        (4096, 64, 256), (4096, 128, 128), (4096, 256, 128), (4096, 512, 256),
-        (4096, 64, 128),                      # 16K x 64: at 128 from 16K, compiled on 4K's inputs
-        (4096, 256, 256)]                     # 256K x 256: its entry states at 128 would pass 2**31
+    assert [s[:4] for s in warm_compile._shapes(args, "NVIDIA H200")] == [
+        (1024, 1024, 64, 256), (1024, 1024, 128, 256), (1024, 1024, 256, 256), (1024, 1024, 512, 256),
+        (4096, 4096, 64, 256), (4096, 4096, 128, 128), (4096, 4096, 256, 128), (4096, 4096, 512, 256),
+        (4096, 16384, 64, 128),             # 16K x 64: at 128 from 16K, compiled on 4K's inputs
+        (4096, 262144, 256, 256),           # 256K x 256: its entry states at 128 would pass 2**31
+        (4096, 262144, 512, 256)]           # 256K x 512: 64-bit indices, forced on 4K's inputs
+    assert [s[4] for s in warm_compile._shapes(args, "NVIDIA H200")] == [False] * 10 + [True]
     tasks = warm_compile._tasks(args, "NVIDIA H200")
     assert sorted({(L, c) for n, L, d, c, _ in tasks if n == "chunk_cumsum"}) == [(1024, 256), (4096, 128), (4096, 256)]
-    caller = [(1024, d, 256) for d in args.dstates] + [(4096, d, 256) for d in args.dstates]
-    assert warm_compile._shapes(args, None) == caller
+    import torch
+    from ops.compute_out import search_space
+    at = lambda L: search_space(batch=1, seqlen=L, nheads=80, headdim=64, ngroups=1, dstate=512, chunk_size=256,
+                                dtype=torch.bfloat16, states_dtype=torch.bfloat16)
+    assert len(at(262144)) < len(at(4096))          # the 64-bit kernel's space is narrower
+    from ops.configs import unique
+    listed = [cfg for n, L, d, c, cfg in tasks if n == "compute_out" and (L, d, c) == (4096, 512, 256)]
+    assert listed == at(4096) + unique([{**cfg, "INDEX64": True} for cfg in at(262144)])
+    caller = [(L, L, d, 256) for L in (1024, 4096) for d in args.dstates] + [(4096, 262144, 512, 256)]
+    assert [s[:4] for s in warm_compile._shapes(args, None)] == caller
     monkeypatch.setenv(compute_chunk.ENV, "caller")
-    assert warm_compile._shapes(args, "NVIDIA H200") == caller
+    assert [s[:4] for s in warm_compile._shapes(args, "NVIDIA H200")] == caller
 
 
 def test_warm_compile_slices_tilegym_config_lists(monkeypatch):
@@ -850,3 +860,20 @@ def test_fwd_bwd_warms_tilegym_once_per_specialization():
     assert all(impl == "tilegym" for _, impl, *_ in jobs[:len(tilegym)])
     ours = sorted((s["batch"], s["seqlen"], s["dstate"]) for s, impl, *_ in jobs if impl == "cutile")
     assert ours == sorted((s["batch"], s["seqlen"], s["dstate"]) for s in shapes)
+
+
+def test_plot_uses_a_log_axis_only_for_wide_speedups():
+    """Speedups spanning more than 4x get a logarithmic axis; a narrow range stays linear, the
+    1.0 reference line not counted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tests.benchmark.plot import _log_if_wide
+    fig, (wide, narrow) = plt.subplots(1, 2)
+    wide.plot([1, 2, 3], [1.7, 2.0, 23.0])
+    narrow.plot([1, 2, 3], [4.5, 6.0, 10.0])
+    for ax in (wide, narrow):
+        _log_if_wide(ax)
+        ax.axhline(1.0)
+    assert (wide.get_yscale(), narrow.get_yscale()) == ("log", "linear")
+    plt.close(fig)

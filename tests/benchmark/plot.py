@@ -72,10 +72,10 @@ def plot(source, out, title=None):
             if several_chunks:
                 drawn.plot(ax, *_series(pts, n, num, den, "best"), n, "each at its best chunk",
                            "--", colors, marker="s", alpha=0.7, markersize=4)
+        _log_if_wide(ax)                    # before the reference line, which it would count
         ax.axhline(1.0, color="black", linewidth=1)
         ax.set_title(heading)
         ax.set_ylabel(f"speedup over {den_name} (higher is better)")
-        _log_if_wide(ax)
         drawn.finish(ax, colors)
 
     ax = axes[2]

@@ -12,7 +12,8 @@
 #           WARM_CHUNKS, default 256, compiled at the chunk the forward computes with there, and
 #           WARM_SEQLENS, default 1024,4096,16384,262144) and, when tilegym is among IMPLS,
 #           TileGym's configs, compiled by WARM_PROCS processes into cuTile's disk cache, so the
-#           timed parts tune without compiling
+#           timed parts tune without compiling; with the chunks part too, a second pass for the
+#           sweep's SWEEP_CHUNKS, each computed as given
 #                                                             -> $OUT/warm.log
 #   profile profile_ncu.sh at PROFILE_SHAPES (default 64K:256 256K:128), cutile and triton
 #                                                             -> $OUT/ncu_*.csv
@@ -34,14 +35,14 @@
 #   warm     30 processes compile the 295 chunk-256 variants of 4K-256K (WARM_SEQLENS=16384) in
 #            ~75 s; 1K specializes differently (add 1024). Without it, tuning one cutile point
 #            compiles up to ~80 configs one at a time: 80-190 s per point instead of 1-17 s.
-#            Since the forward computes at 128 for most of the grid (ops/compute_chunk.py), the
-#            search needs variants at 128 and 256: at commit ac1da97, warming both chunks for 1K
-#            and 16K was 1364 variants, which 16 processes had not finished in 190 s; the 1K
-#            points then tuned for over 300 s each (TASK_TIMEOUT). warm_compile.py now compiles
-#            only the chunk each (length, dstate) computes at, once per specialization: 855
-#            variants for the whole grid's lengths against those 1364. Still give the warm part a 10-minute run of its own on the
-#            machine the grid then runs on, or time the committed table instead
-#            (MAMBA2_CUTILE_AUTOTUNE=table: the whole grid in ~80 s).
+#            Since the forward computes at 128 for half the grid's points (ops/compute_chunk.py),
+#            the search needs variants at 128 and 256: at commit ac1da97, warming both chunks for
+#            1K and 16K was 1364 variants, which 16 processes had not finished in 190 s; the 1K x
+#            128 point then ran past its 300 s TASK_TIMEOUT while tuning. warm_compile.py now
+#            compiles each (length, dstate) only at the chunk it computes at, once per
+#            specialization and index width: 928 variants for the grid's lengths. Still give the
+#            warm part a 10-minute run of its own on the machine the grid then runs on, or time
+#            the committed table instead (MAMBA2_CUTILE_AUTOTUNE=table: the whole grid in ~80 s).
 #   grid (60 points without TileGym)
 #     triton   ~1 min: Triton autotunes once per (chunk, dstate) key, 10-30 s each, 4 keys;
 #              with TRITON_CACHE_AUTOTUNING=1 (set below) a restarted worker reuses the results
@@ -140,11 +141,19 @@ for p in $PARTS; do
     case $p in
         warm)
             tg=""; case ",$IMPLS," in *,tilegym,*) tg="--tilegym" ;; esac
+            warm_chunks() {     # warm_chunks CHUNKS: compile for calls at CHUNKS
+                timeout -k 10 "${WARM_LIMIT:-240}" python tests/benchmark/warm_compile.py \
+                    --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "$1" \
+                    --seqlens "${WARM_SEQLENS:-1024,4096,16384,262144}" $tg 2>&1 \
+                    | tee -a "$OUT/warm.log" | tail -8
+            }
             echo "=== warm: up to ${WARM_LIMIT:-240} s"
-            timeout -k 10 "${WARM_LIMIT:-240}" python tests/benchmark/warm_compile.py \
-                --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "${WARM_CHUNKS:-256}" \
-                --seqlens "${WARM_SEQLENS:-1024,4096,16384,262144}" $tg 2>&1 \
-                | tee -a "$OUT/warm.log" | tail -8
+            warm_chunks "${WARM_CHUNKS:-256}"
+            case " $PARTS " in *" chunks "*)
+                # the sweep computes every chunk as given, where the grid's calls may not
+                echo "=== warm for the chunk sweep: up to ${WARM_LIMIT:-240} s"
+                MAMBA2_CUTILE_COMPUTE_CHUNK=caller warm_chunks "$SWEEP_CHUNKS" ;;
+            esac
             ;;
         profile)
             SHAPES=${PROFILE_SHAPES:-"64K:256 256K:128"} OUT="$OUT" tests/benchmark/profile_ncu.sh ;;

@@ -7,7 +7,7 @@ sizes divisible by 16). So launching every config once, from several processes a
 inputs with the same constants and divisibility as the benchmark's, lets the tuner find them all
 compiled.
 
-    python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,16384 --procs 12
+    python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,4096,16384,262144
     python tests/benchmark/warm_compile.py --chunks 64,128,256 --tilegym     # + the chunk sweep, TileGym
     python tests/benchmark/warm_compile.py --kernels fwd_pass_state          # one kernel's space
     python tests/benchmark/warm_compile.py --batch 8 --seqlens 2048 --dstates 128 --chunks 64,128,256
@@ -15,7 +15,7 @@ compiled.
 
 ``--chunks`` are the chunks the benchmark calls with; each (length, dstate) compiles at the chunk
 this project's forward then computes with (``ops/compute_chunk.py`` on this GPU, or as
-MAMBA2_CUTILE_COMPUTE_CHUNK says: on an H200 a caller's 256 is mostly computed at 128). A length
+MAMBA2_CUTILE_COMPUTE_CHUNK says: on an H200 a caller's 256 is often computed at 128). A length
 stands for the longer ones that specialize alike at that chunk: 1K tokens have 4 chunks of 256
 (not a multiple of 16), 4K and more have a multiple of 16 chunks; so list the lengths whose chunk
 differs (``--seqlens 1024,4096,16384,262144`` for the grid: 4K x 64 stays at 256, 256K x 256 too)
@@ -70,42 +70,55 @@ def _specializes_as(seqlen, chunk):
     return seqlen % 16 == 0, -(-seqlen // chunk) % 16 == 0
 
 
+def _needs_int64(args, seqlen, dstate, chunk):
+    """Whether the call's launches index with 64 bits (a tensor of 2**31 elements or more: at
+    256K x 512 the entry states), which also narrows compute_out's search space."""
+    from ops.compute_out import needs_int64
+    return needs_int64(batch=args.batch, seqlen=seqlen, chunk_size=chunk, headdim=args.headdim,
+                       dstate=dstate, nheads=args.nheads, ngroups=args.ngroups)
+
+
 def _shapes(args, gpu=None):
-    """(seqlen, dstate, chunk) to compile at, lengths first as given: each (length, dstate, the
-    caller's chunk) at the chunk the forward computes with, a length standing in for the longer
-    ones that specialize alike at that chunk (so 256K x 256, computed at 256, compiles on 4K's
-    inputs when 4K is listed)."""
+    """(stand-in length, length, dstate, chunk, 64-bit) to compile at, lengths first as given:
+    each (length, dstate, the caller's chunk) at the chunk the forward computes with, once per
+    specialization and index width, launched on the shortest listed length that specializes
+    alike (so 256K x 256, computed at 256, compiles on 4K's inputs when 4K is listed; 256K x 512,
+    whose launches need 64-bit indices, on 4K's inputs with the 64-bit kernels forced)."""
     seen, shapes = set(), []
     for seqlen in args.seqlens:
         for caller in args.chunks:
             for dstate in args.dstates:
                 chunk = _computed_chunk(caller, seqlen, dstate, args, gpu)
-                key = (chunk, dstate, _specializes_as(seqlen, chunk))
-                if key not in seen:
-                    seen.add(key)
-                    stand_in = min(L for L in args.seqlens if _specializes_as(L, chunk) == key[2])
-                    shapes.append((stand_in, dstate, chunk))
+                alike = _specializes_as(seqlen, chunk)
+                wide = _needs_int64(args, seqlen, dstate, chunk)
+                if (chunk, dstate, alike, wide) not in seen:
+                    seen.add((chunk, dstate, alike, wide))
+                    stand_in = min(L for L in args.seqlens if _specializes_as(L, chunk) == alike)
+                    shapes.append((stand_in, seqlen, dstate, chunk, wide))
     return shapes
 
 
 def _tasks(args, gpu=None):
     import torch
     from ops import forward
+    from ops.configs import unique
     tasks, tilegym = [], []
     # Lengths outermost, as the benchmark's grid runs them: a warm-up cut short by its time limit
     # has then compiled everything the first points need.
     cumsums = set()
-    for seqlen, dstate, chunk in _shapes(args, gpu):
+    for stand_in, seqlen, dstate, chunk, wide in _shapes(args, gpu):
         shape = dict(batch=args.batch, seqlen=seqlen, nheads=args.nheads, headdim=args.headdim,
                      ngroups=args.ngroups, dstate=dstate, chunk_size=chunk,
                      dtype=torch.bfloat16, states_dtype=torch.bfloat16)
         for name in args.kernels:
             if name == "chunk_cumsum":      # it never sees dstate: one set of compiles per chunk serves all
-                if (seqlen, chunk) in cumsums:
+                if (stand_in, chunk) in cumsums:
                     continue
-                cumsums.add((seqlen, chunk))
-            for cfg in forward.KERNELS[name].search_space(**shape):
-                tasks.append((name, seqlen, dstate, chunk, cfg))
+                cumsums.add((stand_in, chunk))
+            space = forward.KERNELS[name].search_space(**shape)
+            if wide and name != "chunk_cumsum":   # the 64-bit kernels the long call will launch
+                space = unique([{**cfg, "INDEX64": True} for cfg in space])
+            tasks += [(name, stand_in, dstate, chunk, cfg) for cfg in space]
     if args.tilegym:
         tilegym = [("tilegym", seqlen, dstate, chunk, (part, args.tilegym_parts))
                    for chunk in args.chunks for dstate in args.dstates for seqlen in args.seqlens
@@ -194,7 +207,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dstates", default="64,128,256,512")
-    ap.add_argument("--seqlens", default="1024,16384")
+    ap.add_argument("--seqlens", default="1024,4096,16384,262144")
     ap.add_argument("--nheads", type=int, default=80)
     ap.add_argument("--headdim", type=int, default=64)
     ap.add_argument("--ngroups", type=int, default=1)
@@ -217,13 +230,15 @@ def parse_args(argv=None):
     return args
 
 
-def _jobs(arg_sets):
+def _jobs(arg_sets, gpu="this GPU"):
     """The pool's jobs: each TileGym slice's search alone (the slices of one shape then run side
     by side), our kernels' variants in small batches of consecutive tasks (one shape's inputs
     serve a batch), handed out in order, so that progress shows as they finish and the first
-    shapes are compiled first; the long TileGym searches before everything. -> (jobs, total)"""
-    import torch
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    shapes are compiled first; the long TileGym searches before everything. ``gpu``: the name the
+    compute chunk's rules see (by default this machine's GPU, None without one). -> (jobs, total)"""
+    if gpu == "this GPU":
+        import torch
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     jobs, total = [], 0
     for args in arg_sets:
         tasks = _tasks(args, gpu)
