@@ -9,7 +9,8 @@ only the tensors differ. So ``ops.ssd_combined`` records the launches of such a 
 buffers afresh and launches each kernel with the new call's tensors in place of the old.
 
 Not replayed: calls that need a gradient, traced calls, varlen calls (their bounds are read from
-``cu_seqlens``), searches for configs, poisoned outputs (tests), and any call whose launches use
+``cu_seqlens``), a call's first run while configs are searched (it may search, launching every
+candidate; its second run is recorded), poisoned outputs (tests), and any call whose launches use
 a tensor that is neither one of its inputs, a buffer of the call nor a marked stand-in the
 kernels never read (``ops.utils.unread_stand_in``): a derived tensor -- a copy of a view the
 kernels cannot read in place, say -- must be recomputed each time. (int64 sequence ids are

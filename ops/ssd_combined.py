@@ -133,23 +133,38 @@ _NO_RECORDING = contextlib.nullcontext()
 _OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
+# Replay keys of eager calls made while a search may run (MAMBA2_CUTILE_AUTOTUNE=1), each with
+# the tuner it ran under. A key's first call may search, launching every candidate, so it is not
+# recorded; ops.forward memoises the answers per exact shape on that tuner, so from the key's
+# second call on nothing is searched, and the call is recorded, then replayed, as in the table
+# mode (a replayed call costs tens of microseconds of host time, a dispatched one hundreds).
+_SEARCHED = {}
+
+
 def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend):
     """(the replay key of an eager call, the autotuner it was made under), or (None, None)
-    where the call is not replayed (ops.replay): a search for configs may run, or the outputs
-    are poisoned (tests), or the options are of unusual types (they are checked afresh). The
-    autotuning mode and the compute chunk's (ops/compute_chunk.py) are part of the key:
-    switching either changes the launches."""
+    where the call is not replayed (ops.replay): it may search for configs (a key's first call
+    in the search mode), or the outputs are poisoned (tests), or the options are of unusual
+    types (they are checked afresh). The autotuning mode and the compute chunk's
+    (ops/compute_chunk.py) are part of the key: switching either changes the launches."""
     forward = sys.modules.get(f"{__package__}.forward")   # None until a kernel backend has run
     if (forward is None or forward.POISON_OUTPUTS or type(dt_limit) is not tuple
             or not all(type(v) in (int, float) for v in dt_limit)):
         return None, None
     how = autotune.mode()                       # the configs a call takes depend on it
-    if how == "search":
-        return None, None
     # the chunk the kernels compute with depends on compute_chunk's mode, as the configs on `how`
     options = (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit, state_dtype, backend,
                compute_chunk.mode(), how)
-    return replay.call_key(tensors, options), autotune.tuner()
+    key, tuner = replay.call_key(tensors, options), autotune.tuner()
+    if how == "search" and key is not None:
+        try:
+            first = _SEARCHED.get(key) is not tuner
+        except TypeError:                       # an unhashable option: never replayed
+            return None, None
+        if first:
+            _SEARCHED[key] = tuner
+            return None, None
+    return key, tuner
 
 
 def cutile_supported(device):

@@ -583,13 +583,36 @@ def test_calls_that_differ_or_cannot_be_replayed_are_run_afresh(monkeypatch, cha
     if change in ("poisoned", "search"):
         replay._REPLAYS.clear()
     expected = ssd_sequential(**f64(kw), **{**OPTIONS, **options}, return_final_states=True)
-    for _ in range(3):
+    for i in range(3):
         out = _run(kw, **options)
         assert rel_err(out[0], expected[0]) < (4e-3 if change == "dtype" else TOL[torch.float32])
-    # new keys: recorded, then replayed
-    assert bool(runs) == (change in ("dtype", "strides", "option", "int64 seq_idx"))
-    if change in ("poisoned", "search"):
+        if change == "search":                    # the first call may search: not recorded
+            assert (bool(replay._REPLAYS), bool(runs)) == (i >= 1, i >= 2)
+    # new keys: recorded, then replayed; under a search, from the key's second call
+    assert bool(runs) == (change in ("dtype", "strides", "option", "int64 seq_idx", "search"))
+    if change == "poisoned":
         assert not replay._REPLAYS
+
+
+def test_under_a_search_each_tuner_skips_a_calls_first_recording(monkeypatch):
+    """With MAMBA2_CUTILE_AUTOTUNE=1 a key's first call may search (its candidates' launches
+    must not be recorded), so its second call is recorded and its third replayed; a new tuner,
+    whose memo of answers is empty, starts the count again."""
+    from ops import autotune, replay
+    runs = _replayed_runs(monkeypatch)
+    monkeypatch.setenv("MAMBA2_CUTILE_AUTOTUNE", "1")
+    replay._REPLAYS.clear()
+    kw = problem(torch.float32)
+    expected = _run(kw)
+    _run(kw)
+    assert replay._REPLAYS and not runs
+    monkeypatch.setattr(autotune, "_TUNER", None)
+    _run(kw)
+    assert not runs                               # the old recording's tuner is gone: run afresh
+    _run(kw), _run(kw)
+    assert len(runs) == 1
+    for a, b in zip(_run(kw), expected, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_batch_one_slice_is_restrided_in_each_replay(monkeypatch):
