@@ -352,6 +352,13 @@ def table():
     return _TABLE
 
 
+def read_cache(path):
+    """An autotune cache file's contents: JSON, or gzipped JSON (``.gz``, as committed results)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
 def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
     """Write the searches' winners of autotune caches (JSON, or gzipped JSON: ``.gz``) as a
     table: one entry per kernel, device and shape (the latest search where the caches searched
@@ -360,10 +367,7 @@ def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
     a shape the caches searched takes their winner. Returns the count."""
     best = {}
     for path in cache_paths:
-        opener = gzip.open if str(path).endswith(".gz") else open
-        with opener(path, "rt") as f:
-            cache = json.load(f)
-        for key, value in cache.items():
+        for key, value in read_cache(path).items():
             if key.endswith(FAULTED):
                 continue
             kernel, device, shape = parse_key(key)

@@ -139,14 +139,21 @@ def auto_chunk(chunk_size, *, gpu, dtype, batch, seqlen, nheads, headdim, dstate
     return chunk_size
 
 
-def kernel_chunk(chunk_size, x, B):
-    """The chunk the kernels compute with, forward and backward, for a call with the caller's
-    ``chunk_size`` and inputs ``x`` (b, L, h, p), ``B`` (b, L, g, n)."""
+def chunk_for(chunk_size, **call):
+    """The chunk the kernels compute with for the caller's ``chunk_size`` and a call described
+    by ``auto_chunk``'s keywords (gpu, dtype, batch, seqlen, nheads, headdim, dstate), as
+    ``MAMBA2_CUTILE_COMPUTE_CHUNK`` says: the caller's, a forced chunk, or "auto"'s."""
     how = mode()
     if how == "caller":
         return chunk_size
     if how != "auto":
         return how
+    return auto_chunk(chunk_size, **call)
+
+
+def kernel_chunk(chunk_size, x, B):
+    """The chunk the kernels compute with, forward and backward, for a call with the caller's
+    ``chunk_size`` and inputs ``x`` (b, L, h, p), ``B`` (b, L, g, n)."""
     batch, seqlen, nheads, headdim = x.shape
-    return auto_chunk(chunk_size, gpu=_gpu_name(x.device), dtype=x.dtype, batch=batch,
-                      seqlen=seqlen, nheads=nheads, headdim=headdim, dstate=B.shape[3])
+    return chunk_for(chunk_size, gpu=_gpu_name(x.device), dtype=x.dtype, batch=batch,
+                     seqlen=seqlen, nheads=nheads, headdim=headdim, dstate=B.shape[3])

@@ -206,14 +206,14 @@ def warm_jobs(shapes, impls, chunks, tilegym_chunk, tilegym_parts):
     """The first steps ``--warm-procs`` runs: one per shape and run, but TileGym's exhaustive
     compiles (``tilegym_parts`` processes each) only once for the shapes that specialize alike
     (the same sizes but the length, whose tokens and chunks are multiples of 16 or not alike:
-    ``warm_compile._specializes_as``), on the shortest: the grid's 4K, 16K and 64K at one dstate
+    ``warm_compile.specializes_as``), on the shortest: the grid's 4K, 16K and 64K at one dstate
     compile the same kernels. TileGym's first, the longest."""
-    from tests.benchmark.warm_compile import _specializes_as
+    from tests.benchmark.warm_compile import specializes_as
     jobs, compiled = [], set()
     for s in sorted(shapes, key=lambda s: s["seqlen"]):
         for impl, c in _runs(s, impls, chunks, tilegym_chunk):
             if impl == "tilegym":
-                key = (c, _specializes_as(s["seqlen"], c),
+                key = (c, specializes_as(s["seqlen"], c),
                        *(s[k] for k in ("batch", "nheads", "headdim", "ngroups", "dstate")))
                 if key in compiled:
                     continue

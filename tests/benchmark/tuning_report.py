@@ -12,8 +12,6 @@ default, time, speedup); ``best_single_knob(entries, kernel)`` -> for each knob,
 the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape.
 """
 import argparse
-import gzip
-import json
 
 # Knobs, and the names the notebook and tables use for them.
 KNOB_NAMES = {
@@ -36,9 +34,8 @@ def load(path, chunk_size=256):
     timings [(ms, config), ...]). The default is the first candidate timed (the search spaces
     put it first); entries without per-candidate timings are skipped. Only entries tuned at
     ``chunk_size`` are kept (None: every chunk size), so that one (seqlen, dstate) names one entry."""
-    opener = gzip.open if str(path).endswith(".gz") else open     # caches are committed gzipped
-    with opener(path, "rt") as f:
-        raw = json.load(f)
+    from ops.autotune import read_cache
+    raw = read_cache(path)                 # caches are committed gzipped
     entries = []
     for key, value in raw.items():
         if not value.get("timings"):

@@ -54,17 +54,12 @@ def _computed_chunk(caller, seqlen, dstate, args, gpu):
     (ops/compute_chunk.py: on an H200 often 128 for a caller's 256; MAMBA2_CUTILE_COMPUTE_CHUNK
     as set, e.g. "caller" for the chunk sweep): the chunk whose variants the tuner will time."""
     import torch
-    from ops import compute_chunk
-    how = compute_chunk.mode()
-    if how == "caller":
-        return caller
-    if how != "auto":
-        return how
-    return compute_chunk.auto_chunk(caller, gpu=gpu, dtype=torch.bfloat16, batch=args.batch, seqlen=seqlen,
-                                    nheads=args.nheads, headdim=args.headdim, dstate=dstate)
+    from ops.compute_chunk import chunk_for
+    return chunk_for(caller, gpu=gpu, dtype=torch.bfloat16, batch=args.batch, seqlen=seqlen,
+                     nheads=args.nheads, headdim=args.headdim, dstate=dstate)
 
 
-def _specializes_as(seqlen, chunk):
+def specializes_as(seqlen, chunk):
     """What the launches of one chunk size specialize on that depends on the length: whether the
     tokens and the chunks are multiples of 16 (1K tokens are 4 chunks of 256, 4K and more 16+)."""
     return seqlen % 16 == 0, -(-seqlen // chunk) % 16 == 0
@@ -89,11 +84,11 @@ def _shapes(args, gpu=None):
         for caller in args.chunks:
             for dstate in args.dstates:
                 chunk = _computed_chunk(caller, seqlen, dstate, args, gpu)
-                alike = _specializes_as(seqlen, chunk)
+                alike = specializes_as(seqlen, chunk)
                 wide = _needs_int64(args, seqlen, dstate, chunk)
                 if (chunk, dstate, alike, wide) not in seen:
                     seen.add((chunk, dstate, alike, wide))
-                    stand_in = min(L for L in args.seqlens if _specializes_as(L, chunk) == alike)
+                    stand_in = min(L for L in args.seqlens if specializes_as(L, chunk) == alike)
                     shapes.append((stand_in, seqlen, dstate, chunk, wide))
     return shapes
 
