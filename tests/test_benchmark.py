@@ -823,6 +823,10 @@ def test_memory_probe_finds_what_is_alive_at_the_peak():
     peak, alive = live_at_peak(trace)
     assert peak == 640 and [e["addr"] for e in alive] == [4, 1, 3]
     assert origin(alive[0]) == "ops/utils.py:60 new_output" and origin(trace[2]) == "?"
+    caller = frame(os.path.join(ROOT, "ops", "backward.py"), 7, "ssd_backward")
+    chain = dict(frames=[*ours, frame("/usr/lib/python3.12/x.py", 2, "call"), caller])
+    assert origin(chain, depth=4) == "ops/utils.py:60 new_output < ops/backward.py:7 ssd_backward"
+    assert origin(chain, depth=1) == "ops/utils.py:60 new_output"
 
 
 def test_memory_probe_checks_its_shape(capsys):

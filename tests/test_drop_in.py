@@ -797,11 +797,13 @@ def test_a_differentiable_call_with_seq_idx_compiles():
     assert kw["x"].grad is not None and torch.isfinite(kw["x"].grad).all()
 
 
-def test_the_parallel_compile_worker_runs_a_candidate():
+def test_the_parallel_compile_worker_runs_a_candidate(monkeypatch):
     """``python -m ops.autotune search``'s worker: one candidate config of one kernel, the others
     at their defaults (on the CPU, through the interpreter)."""
+    from ops.autotune import ENV_SWITCH
     from ops.forward import KERNELS
     from ops.tools.tune import _launch_one
+    monkeypatch.delenv(ENV_SWITCH, raising=False)     # the worker sets it: restored afterwards
     shape = dict(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, chunk_size=32)
     space = KERNELS["compute_out"].search_space(**shape, dtype=torch.float32,
                                                  states_dtype=torch.float32)
@@ -809,6 +811,21 @@ def test_the_parallel_compile_worker_runs_a_candidate():
     ok, message = _launch_one("compute_out", shape, "float32", "D", {"HEADS_PER_BLOCK": 3},
                               device="cpu")
     assert not ok and message.startswith("ValueError: HEADS_PER_BLOCK (3) must be 1, 2 or 4")
+
+
+def test_the_parallel_compile_worker_never_searches(monkeypatch):
+    """The search switches the tuner on in its own process before it spawns the next shape's
+    workers, which inherit that: a worker must still run the other kernels at their defaults, not
+    search them while its siblings share the GPU."""
+    import ops.forward as forward
+    from ops.autotune import ENV_SWITCH, mode
+    from ops.tools.tune import _launch_one
+    monkeypatch.setenv(ENV_SWITCH, "1")
+    modes = []
+    monkeypatch.setattr(forward, "kernel_forward", lambda **kw: modes.append(mode()))
+    shape = dict(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, chunk_size=32)
+    assert _launch_one("compute_out", shape, "float32", "D", {}, device="cpu") == (True, "")
+    assert modes == ["off"]
 
 
 def test_an_unused_outputs_gradient_is_not_materialised(monkeypatch):

@@ -62,7 +62,11 @@ def make_inputs(shape, dtype, features, device="cuda", seed=0):
 def _launch_one(name, shape, dtype_name, features, config, device="cuda"):
     """Worker: run the forward pass once with ``config`` for kernel ``name`` (the others at their
     defaults), which compiles it into cuTile's disk cache. Returns (ok, message)."""
-    from ops import forward
+    from ops import autotune, forward
+    # The others at their defaults, whatever the parent's mode: a worker spawned after the parent
+    # switched the search on would otherwise search them, timing candidates on a GPU that the
+    # other workers share, and write those timings to the cache.
+    os.environ[autotune.ENV_SWITCH] = "0"
     dtype = getattr(torch, dtype_name)
     kw = make_inputs(shape, dtype, features, device=device)
     try:

@@ -1,21 +1,27 @@
 """What holds memory at a training step's peak on a GPU: the live allocations, and who made them.
 
     python -m tests.benchmark.memory_probe [--shape 8x2048x80x1] [--dstate 128] [--chunk 256]
-        [--top 12]
+        [--top 20] [--depth 4]
 
 Why: on the H200 a training step's scan (``fwd_bwd.py``) peaks above what
 ``ops.backward.memory_accounting``, the forward's output and the gradients account for: at the 2.7B
 training shape, chunk 128, 949 MiB measured against about 750, a remainder a little larger than
 the forward's own entry states (160 MiB); and the step's peak moved with the forward's chunk by
 as much as those grow (``PERF_NOTES.md``). On the CPU interpreter nothing of the forward is alive
-in the backward. Two probes, each printed:
+in the backward. On the H200 (commit ``339f854``) the launch probe gave back all 3072 MiB; at
+the step's peak, 947 MiB against 577 accounted plus the forward's 160 MiB output, five blocks of
+160 MiB were alive (three made by a plan's ``bind``, two by ``new_output``) where those name four,
+and two of 20 MiB from ``bind`` where they name none: the sizes of the entry and the final states
+at chunk 128. Which step made them needs the callers of ``bind`` (``--depth``). Two probes, each
+printed:
 
     launch  one launch of a small kernel (``tests.example_kernels.vector_add``) on three 1 GiB
             tensors, which are then dropped: how much of their memory comes back. All of it, unless
             something keeps a launch's arguments alive after the launch.
     step    one step (bf16, D, dt_bias, softplus; ``fwd_bwd.py``'s inputs and output gradient)
             under ``torch.cuda.memory._record_memory_history``: the blocks alive at the step's
-            peak, largest first, each with the project's lines that allocated it.
+            peak, largest first, each with the project's lines that allocated it (the innermost
+            ``--depth``, callee < caller).
 """
 import argparse
 import gc
@@ -43,14 +49,14 @@ def live_at_peak(trace):
     return peak, sorted(at_peak, key=lambda e: -e["size"])
 
 
-def origin(event, root=ROOT):
-    """The innermost of the event's Python frames in files under ``root`` (this project), as
-    'path:line function' with the path relative to ``root`` ('?' where none is)."""
-    for frame in event.get("frames", []):
-        filename = frame.get("filename", "")
-        if filename.startswith(root):
-            return f"{filename[len(root):]}:{frame['line']} {frame['name']}"
-    return "?"
+def origin(event, root=ROOT, depth=1):
+    """The innermost ``depth`` of the event's Python frames in files under ``root`` (this
+    project), each as 'path:line function' with the path relative to ``root``, joined by ' < '
+    (callee < caller); '?' where none is. A shared allocation site (a plan's ``bind``) needs a
+    few callers to say which step made the block."""
+    found = [f"{f['filename'][len(root):]}:{f['line']} {f['name']}"
+             for f in event.get("frames", []) if f.get("filename", "").startswith(root)]
+    return " < ".join(found[:depth]) or "?"
 
 
 def probe_launch(torch):
@@ -69,7 +75,7 @@ def probe_launch(torch):
     print(f"launch: dropping a launch's three 1 GiB arguments gave back {back:.0f} of 3072 MiB")
 
 
-def probe_step(torch, shape, chunk, top):
+def probe_step(torch, shape, chunk, top, depth):
     from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup
     inputs, dout = _setup(shape)
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
@@ -90,7 +96,7 @@ def probe_step(torch, shape, chunk, top):
     print(f"step at {shape}, chunk {chunk}: peak +{peak / 2**20:.0f} MiB above the step's start; "
           f"{len(alive)} blocks alive there, the largest:")
     for event in alive[:top]:
-        print(f"  {event['size'] / 2**20:8.1f} MiB  {origin(event)}")
+        print(f"  {event['size'] / 2**20:8.1f} MiB  {origin(event, depth=depth)}")
 
 
 def main(argv=None):
@@ -99,7 +105,9 @@ def main(argv=None):
     parser.add_argument("--shape", default="8x2048x80x1", help="batch x seqlen x nheads x ngroups")
     parser.add_argument("--dstate", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=256, help="the caller's chunk")
-    parser.add_argument("--top", type=int, default=12, help="blocks listed")
+    parser.add_argument("--top", type=int, default=20, help="blocks listed")
+    parser.add_argument("--depth", type=int, default=4,
+                        help="the project's frames named per block, innermost first")
     args = parser.parse_args(argv)
     try:
         batch, seqlen, nheads, ngroups = (int(v) for v in args.shape.split("x"))
@@ -109,7 +117,7 @@ def main(argv=None):
         raise SystemExit("memory_probe needs a CUDA GPU")
     probe_launch(torch)
     probe_step(torch, dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64,
-                           ngroups=ngroups, dstate=args.dstate), args.chunk, args.top)
+                           ngroups=ngroups, dstate=args.dstate), args.chunk, args.top, args.depth)
 
 
 if __name__ == "__main__":
