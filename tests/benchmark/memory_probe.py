@@ -9,10 +9,10 @@ training shape, chunk 128, 949 MiB measured against about 750, a remainder a lit
 the forward's own entry states (160 MiB); and the step's peak moved with the forward's chunk by
 as much as those grow (``PERF_NOTES.md``). On the CPU interpreter nothing of the forward is alive
 in the backward. On the H200 (commit ``339f854``) the launch probe gave back all 3072 MiB; at
-the step's peak, 947 MiB against 577 accounted plus the forward's 160 MiB output, five blocks of
-160 MiB were alive (three made by a plan's ``bind``, two by ``new_output``) where those name four,
-and two of 20 MiB from ``bind`` where they name none: the sizes of the entry and the final states
-at chunk 128. Which step made them needs the callers of ``bind`` (``--depth``). Two probes, each
+the step's peak, 947 MiB against about 740 (577 accounted at the token kernel's step plus the
+forward's 160 MiB output), five blocks of 160 MiB were alive (three made by a plan's ``bind``, two
+by ``new_output``) where those name four, and two of 20 MiB from ``bind`` where they name none.
+20 MiB is the final states' size at chunk 128; 160 MiB the entry states', but also x's. Which step made them needs the callers of ``bind`` (``--depth``). Two probes, each
 printed:
 
     launch  one launch of a small kernel (``tests.example_kernels.vector_add``) on three 1 GiB
