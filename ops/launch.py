@@ -201,12 +201,18 @@ class PlanTemplate:
         fresh = [torch.empty(shape, dtype=dtype, device=device)
                  for shape, dtype, device in self._buffers]
         pick = {"input": inputs.__getitem__, "buffer": fresh.__getitem__, "value": lambda v: v}
+        return _build(self._node, pick)
 
-        def build(node):
-            grid, kernel, args, outputs, before = node
-            return Plan(grid, kernel, tuple(pick[k](v) for k, v in args),
-                        tuple(pick[k](v) for k, v in outputs), tuple(build(b) for b in before))
-        return build(self._node)
+
+def _build(node, pick):
+    """A recorded node as a ``Plan``, its tensors taken through ``pick``. A module-level function:
+    a recursive closure inside ``bind`` would be a reference cycle (the function and its own
+    cell) holding every fresh buffer of the plan until the garbage collector ran, so that
+    intermediates a caller had dropped (a forward's entry states) stayed allocated through
+    the backward's peak."""
+    grid, kernel, args, outputs, before = node
+    return Plan(grid, kernel, tuple(pick[k](v) for k, v in args),
+                tuple(pick[k](v) for k, v in outputs), tuple(_build(b, pick) for b in before))
 
 
 def tensor_key(values):

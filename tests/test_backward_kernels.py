@@ -390,6 +390,56 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     assert tracker.peak >= 0.9 * bound, (tracker.peak, bound, step, described)
 
 
+def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeypatch):
+    """A whole step through autograd, as training runs it, on its second call (the forward's
+    plans then re-used, ``ops.launch.PlanTemplate.bind``): the tensors alive at once stay under
+    the forward's output plus ``memory_accounting``'s peak of the backward, which recomputes the
+    forward's intermediates instead of keeping them. With the garbage collector off, so a
+    reference cycle holding the forward's entry and final states (as ``bind`` once made) counts
+    where a GPU's step would feel it: they would stay allocated through the backward's peak."""
+    import ops.backward as bwd
+    monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
+    shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=2, dstate=32)
+    kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
+                      dtype=torch.bfloat16)
+    leaves = {k: (v.detach().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+                  if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+              for k, v in kw.items()}
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def step():
+        for t in leaves.values():
+            if isinstance(t, torch.Tensor):
+                t.grad = None
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=64, backend="interpret", **OPTIONS)
+        out.backward(dout)
+
+    step()                                             # plans built: the next step re-uses them
+    tracker = LiveTensors()
+    real = ops.launch.launch
+
+    def paused(*args, **kwargs):
+        tracker.paused = True
+        try:
+            return real(*args, **kwargs)
+        finally:
+            tracker.paused = False
+
+    monkeypatch.setattr(ops.launch, "launch", paused)
+    gc.collect()
+    gc.disable()
+    try:
+        with tracker:
+            step()
+    finally:
+        gc.enable()
+    out_bytes = kw["x"].numel() * kw["x"].element_size()
+    _, bound = bwd.memory_accounting(**shape, chunk_size=64, dtype=torch.bfloat16)["peak"]
+    described = sorted(tracker.at_peak.values(), key=lambda v: -v[2])
+    assert tracker.peak <= out_bytes + bound, (tracker.peak, out_bytes + bound, described)
+    assert tracker.peak >= 0.9 * (out_bytes + bound)   # the count sees the step's tensors
+
+
 @pytest.mark.gpu
 def test_peak_memory_on_gpu():
     """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16

@@ -505,6 +505,29 @@ def test_a_plan_holding_a_computed_tensor_is_never_reused():
     assert bound.args[0].sum() == 0 and bound.args[1] is bound.outputs[0] and bound.args[2] == 3
 
 
+def test_a_re_used_plans_buffers_are_freed_when_dropped():
+    """The buffers of a plan re-built for new tensors (``PlanTemplate.bind``) die with their last
+    reference, not at the next garbage collection: an intermediate the caller drops (a forward's
+    entry states, which the backward recomputes) must not stay allocated through a training
+    step's backward, as it did while ``bind`` built plans with a recursive closure (a reference
+    cycle holding every buffer of the plan). Checked with the collector off."""
+    import gc
+    import weakref
+    from ops.launch import Plan, PlanTemplate
+    x, mid, out = torch.ones(4), torch.empty(4), torch.empty(4)
+    first = Plan((1,), None, (x, mid), (mid,))
+    template = PlanTemplate(Plan((1,), None, (x, mid, out), (out,), (first,)), (x,))
+    gc.collect()
+    gc.disable()
+    try:
+        bound = template.bind((torch.ones(4),))
+        intermediate, result = weakref.ref(bound.before[0].outputs[0]), bound.outputs[0]
+        del bound
+        assert intermediate() is None and result.shape == (4,)
+    finally:
+        gc.enable()
+
+
 # Host time: eager calls replayed ---------------------------------------------------------------
 
 def _replayed_runs(monkeypatch):
