@@ -308,6 +308,21 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
                 self._track(t, inputs)
         return out
 
+    @classmethod
+    def around_launches(cls, monkeypatch):
+        """A tracker paused during every ``ops.launch.launch`` (the interpreter's temporaries)."""
+        tracker, real = cls(), ops.launch.launch
+
+        def paused(*args, **kwargs):
+            tracker.paused = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                tracker.paused = False
+
+        monkeypatch.setattr(ops.launch, "launch", paused)
+        return tracker
+
     def _track(self, t, inputs):
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -365,17 +380,7 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     kw = make_problem(**{k: v for k, v in shape.items() if k != "chunk_size"}, D="1d", z=z,
                       initial_states=initial_states, seed=1, dtype=torch.bfloat16)
     dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    tracker = LiveTensors()
-    real = ops.launch.launch
-
-    def paused(*args, **kwargs):
-        tracker.paused = True
-        try:
-            return real(*args, **kwargs)
-        finally:
-            tracker.paused = False
-
-    monkeypatch.setattr(ops.launch, "launch", paused)
+    tracker = LiveTensors.around_launches(monkeypatch)
     gc.collect()       # earlier tests' garbage, collected mid-count, would free reused addresses
     with tracker:
         grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"],
@@ -415,17 +420,7 @@ def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeyp
         out.backward(dout)
 
     step()                                             # plans built: the next step re-uses them
-    tracker = LiveTensors()
-    real = ops.launch.launch
-
-    def paused(*args, **kwargs):
-        tracker.paused = True
-        try:
-            return real(*args, **kwargs)
-        finally:
-            tracker.paused = False
-
-    monkeypatch.setattr(ops.launch, "launch", paused)
+    tracker = LiveTensors.around_launches(monkeypatch)
     gc.collect()
     gc.disable()
     try:
