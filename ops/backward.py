@@ -55,8 +55,12 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     output and the gradients included): 949 MiB computing at 128 and 715 MiB at exactly the
     caller's 256, against 713 MiB for mamba_ssm's Triton at chunk 256
     (``results/fwd_bwd_h200.csv``, ``results/fwd_bwd_caller_h200.csv``). At 128 that is about
-    200 MiB more than this accounting, the forward's output and the gradients make (the
-    forward's entry states are 160); ``tests/benchmark/memory_probe.py`` looks for what holds it.
+    200 MiB more than this accounting, the forward's output and the gradients make. That was a
+    leak, since fixed: a re-used plan (``ops.launch.PlanTemplate.bind``) held its buffers in a
+    reference cycle until the garbage collector ran, so the forward's entry and final states (160
+    and 20 MiB) and the recompute's final states (20) stayed allocated through this peak
+    (``tests/benchmark/memory_probe.py`` found the blocks). Expected now: about 750 MiB at 128,
+    not yet measured on the H200.
 
 Saved and recomputed
     The operator saves only its inputs. The backward runs the forward kernels once more,

@@ -1,3 +1,5 @@
+import contextlib
+import gc
 import os
 import sys
 
@@ -45,3 +47,25 @@ def pytest_runtest_makereport(item, call):
         sys.stderr.flush()
         os._exit(3)
     item.session.shouldstop = message
+
+
+@pytest.fixture
+def collector_off():
+    """``with collector_off(debug_flags):`` runs its body with Python's garbage collector off
+    (and ``gc.set_debug(debug_flags)``), then restores the collector's state as it was, also when
+    the body fails. Memory tests use it: off, a tensor held only by a reference cycle stays
+    alive, as it does on a GPU until the collector happens to run."""
+    @contextlib.contextmanager
+    def off(debug=0):
+        enabled, flags = gc.isenabled(), gc.get_debug()
+        gc.collect()
+        gc.disable()
+        gc.set_debug(debug)
+        try:
+            yield
+        finally:
+            gc.set_debug(flags)
+            gc.garbage.clear()
+            if enabled:
+                gc.enable()
+    return off

@@ -506,43 +506,39 @@ def test_a_plan_holding_a_computed_tensor_is_never_reused():
     assert bound.args[0].sum() == 0 and bound.args[1] is bound.outputs[0] and bound.args[2] == 3
 
 
-def test_a_re_used_plans_buffers_are_freed_when_dropped():
+def test_a_re_used_plans_buffers_are_freed_when_dropped(collector_off):
     """The buffers of a plan re-built for new tensors (``PlanTemplate.bind``) die with their last
     reference, not at the next garbage collection: an intermediate the caller drops (a forward's
     entry states, which the backward recomputes) must not stay allocated through a training
     step's backward, as it did while ``bind`` built plans with a recursive closure (a reference
     cycle holding every buffer of the plan). Checked with the collector off."""
-    import gc
     import weakref
     from ops.launch import Plan, PlanTemplate
     x, mid, out = torch.ones(4), torch.empty(4), torch.empty(4)
     first = Plan((1,), None, (x, mid), (mid,))
     template = PlanTemplate(Plan((1,), None, (x, mid, out), (out,), (first,)), (x,))
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_off():
         bound = template.bind((torch.ones(4),))
         intermediate, result = weakref.ref(bound.before[0].outputs[0]), bound.outputs[0]
         del bound
         assert intermediate() is None and result.shape == (4,)
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_calls_leave_no_tensor_in_a_reference_cycle(device):
+def test_calls_leave_no_tensor_in_a_reference_cycle(device, collector_off):
     """Every tensor a call makes is freed with its last reference: none waits in a reference
     cycle for the garbage collector (until it runs, a GPU keeps such a tensor allocated;
     ``bind``'s recursive closure once held a forward's entry states through the backward). A
-    training step with every option and an eager call, each after a first call (plans re-used,
-    the eager call replayed), then again; any tensor left in a cycle is listed."""
+    training step with D, z, dt_bias, initial states, seq_idx and dt_limit, and an eager call,
+    each after a first call (plans re-used, the eager call replayed), then again; any tensor
+    left in a cycle is listed."""
     import gc
     kw = make_problem(batch=2, seqlen=96, nheads=4, headdim=16, ngroups=2, dstate=16, D="1d",
-                      z=True, initial_states=True, seed=2, dtype=torch.bfloat16, device=device)
+                      z=True, initial_states=True, seq_boundaries=[40], seed=2,
+                      dtype=torch.bfloat16, device=device)
     leaves = {k: v.detach().requires_grad_(True) if v.is_floating_point() else v
               for k, v in kw.items()}
-    call = dict(chunk_size=32, dt_softplus=True,
-                backend="interpret" if device == "cpu" else "cutile")
+    call = dict(chunk_size=32, **OPTIONS, backend="interpret" if device == "cpu" else "cutile")
 
     def train():
         out, final = mamba_chunk_scan_combined(**leaves, **call, return_final_states=True)
@@ -555,17 +551,10 @@ def test_calls_leave_no_tensor_in_a_reference_cycle(device):
     for fn in (train, infer):
         fn()                                          # first calls: plans built, replay recorded
         for _ in range(2):
-            gc.collect()
-            gc.disable()
-            gc.set_debug(gc.DEBUG_SAVEALL)
-            try:
+            with collector_off(gc.DEBUG_SAVEALL):     # what a collection finds is kept, listed
                 fn()
                 gc.collect()
                 cycled = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
-            finally:
-                gc.garbage.clear()
-                gc.set_debug(0)
-                gc.enable()
             assert cycled == [], (fn.__name__, cycled)
 
 
