@@ -359,6 +359,11 @@ def read_cache(path):
         return json.load(f)
 
 
+def _entry_ident(entry):
+    """What one table entry is for: its kernel, device and shape."""
+    return entry["kernel"], entry["device"], tuple(sorted(entry["shape"].items()))
+
+
 def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
     """Write the searches' winners of autotune caches (JSON, or gzipped JSON: ``.gz``) as a
     table: one entry per kernel, device and shape (the latest search where the caches searched
@@ -372,13 +377,13 @@ def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
                 continue
             kernel, device, shape = parse_key(key)
             shape.pop("space", None)
-            ident = (kernel, device, tuple(sorted(shape.items())))
             entry = {"kernel": kernel, "device": device, "shape": shape,
                      "config": value["config"], "tuned_at": value.get("tuned_at", "")}
+            ident = _entry_ident(entry)
             if ident not in best or entry["tuned_at"] >= best[ident]["tuned_at"]:
                 best[ident] = entry
     for entry in (Table.load(keep).entries if keep else []):
-        best.setdefault((entry["kernel"], entry["device"], tuple(sorted(entry["shape"].items()))), entry)
+        best.setdefault(_entry_ident(entry), entry)
     entries = [best[k] for k in sorted(best)]
     with open(out_path, "w") as f:
         json.dump({"about": "winners of autotune searches (python -m ops.autotune export); "

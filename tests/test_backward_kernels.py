@@ -397,6 +397,13 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     assert tracker.peak >= 0.9 * bound, (tracker.peak, bound, step, described)
 
 
+def trainable(kw):
+    """A problem's tensors as a training step's leaves: the float ones detached, requiring
+    gradients where the op gives one (not seq_idx)."""
+    return {k: (v.detach().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+                if v.is_floating_point() else v) for k, v in kw.items()}
+
+
 def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeypatch,
                                                                          collector_off):
     """A whole step through autograd, as training runs it, on its second call (the forward's
@@ -411,15 +418,12 @@ def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeyp
     shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=2, dstate=32)
     kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
                       dtype=torch.bfloat16)
-    leaves = {k: (v.detach().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-                  if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-              for k, v in kw.items()}
+    leaves = trainable(kw)
     dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
 
     def step():
         for t in leaves.values():
-            if isinstance(t, torch.Tensor):
-                t.grad = None
+            t.grad = None
         out = mamba_chunk_scan_combined(**leaves, chunk_size=64, backend="interpret", **OPTIONS)
         out.backward(dout)
 
@@ -454,8 +458,7 @@ def test_peak_memory_on_gpu():
     shape = dict(batch=2, seqlen=2048, nheads=16, headdim=64, ngroups=1, dstate=128)
     kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
                       dtype=torch.bfloat16, device="cuda")
-    leaves = {k: (v.detach().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-                  if v.is_floating_point() else v) for k, v in kw.items()}
+    leaves = trainable(kw)
     dout = torch.randn_like(kw["x"])
 
     def step():
