@@ -70,22 +70,47 @@ def default_cache_path():
         os.path.expanduser("~"), ".cache", "mamba2-cutile", "autotune.json")
 
 
+# The sleep queued before each timed launch is sized in cycles at this clock, above any H200
+# boost clock (1.98 GHz), so it lasts at least as long as asked for; between these bounds (s).
+# The floor, 0.5 ms, is above the slowest host call measured for one of this project's launches
+# on the H200 (0.35 ms; the median was 41-78 us).
+SLEEP_HZ = 2.0e9
+SLEEP_S = (5e-4, 2e-2)
+
+
+def sleep_cycles(host_s):
+    """Cycles for the sleep ahead of a timed launch whose host side took ``host_s`` seconds: four
+    times as long, within ``SLEEP_S``."""
+    low, high = SLEEP_S
+    return int(min(max(4 * host_s, low), high) * SLEEP_HZ)
+
+
 def cuda_event_timer(fn, warmup=2, reps=10):
     """Median milliseconds of ``fn()`` on the current CUDA stream, timed with CUDA events.
 
-    Each timed launch is queued behind a short sleep kernel, so the host has queued it before
-    the GPU reaches the start event: the events then bracket GPU time only. Without this, a
-    small kernel (tens of microseconds) measures the host's launch cost, the same for every
-    candidate, and the winner is noise."""
+    Each timed launch is queued behind a sleep kernel, so the host has queued it before the GPU
+    reaches the start event: the events then bracket GPU time only. Without this, a small kernel
+    (tens of microseconds) measures the host's launch cost, the same for every candidate, and the
+    winner is noise. The sleep must outlast the host's work for one call. A fixed 0.1 ms did not
+    always: on the H200 one call of ``chunk_cumsum`` at 4K tokens took the host 41-78 us (median)
+    and up to 0.35 ms, and five timings of its 6.6 us kernel read 7.2-10.9 us behind 0.1 ms
+    against 6.6-6.7 us behind 4x the last warm-up call's host time (``tests/benchmark/
+    tuner_timer.py``); in searches, some candidates of that kernel read about 0.1 ms, likely the
+    same cause on a busier host. So the sleep is 4x the last warm-up call's host time, and at
+    least 0.5 ms, above that slowest call (``sleep_cycles``)."""
     import torch
     sleep = getattr(torch.cuda, "_sleep", None)
+    host_s = 0.0
     for _ in range(warmup):
+        start = time.perf_counter()
         fn()
+        host_s = time.perf_counter() - start         # the last: compiled and loaded by then
+    cycles = sleep_cycles(host_s)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if sleep is not None:
-            sleep(200_000)                  # ~0.1 ms at H200 clocks: longer than a launch
+            sleep(cycles)
         start.record()
         fn()
         end.record()

@@ -58,7 +58,10 @@ exactly the caller's 256 (MiB beyond the inputs, the forward's output and the gr
 included; ``fwd_bwd_h200.csv`` against ``fwd_bwd_caller_h200.csv``, mamba_ssm's Triton in
 parentheses): 130M 606 / 478 (470), 2.7B training 949 / 715 (713), 2.7B prefill 233 / 176
 (180), 8B hybrid 1544 / 1224 (1416), 1 x 80 heads at 16K dstate 128 912 / 681 (696), at 64K
-dstate 128 3441 / 2513 (2769), dstate 256 6263 / 4374 (4733). That memory is transient, one
+dstate 128 3441 / 2513 (2769), dstate 256 6263 / 4374 (4733). Those peaks at 128 include a
+leak since fixed (a reference cycle in ``ops.launch``'s plans held the forward's states): after
+the fix the 2.7B training step's peak at 128 is 737 MiB (``fwd_bwd_2p7b_plan_fix_h200.csv``),
+3% above Triton's. That memory is transient, one
 layer's scan at a time; ``MAMBA2_CUTILE_COMPUTE_CHUNK=caller`` gives it back, at the time the
 caller's chunk takes (2.7B training 3.42 ms against 2.77).
 

@@ -143,6 +143,25 @@ def test_forward_asks_the_tuner_for_every_kernel(tmp_path, monkeypatch):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_the_timers_sleep_outlasts_the_hosts_call():
+    """The sleep ahead of a timed launch lasts 4x the host's time for one call (sized at 2 GHz,
+    above an H200's clock, so it is no shorter), never under 0.5 ms (above the slowest host call
+    measured on the H200, 0.35 ms) nor over 20 ms."""
+    from ops.autotune import SLEEP_HZ, sleep_cycles
+    assert SLEEP_HZ >= 1.98e9
+    assert sleep_cycles(40e-6) == sleep_cycles(0.0) == int(5e-4 * SLEEP_HZ)
+    assert sleep_cycles(0.35e-3) / SLEEP_HZ >= 1.4e-3
+    assert sleep_cycles(1e-3) == int(4e-3 * SLEEP_HZ)
+    assert sleep_cycles(1.0) == int(2e-2 * SLEEP_HZ)
+
+
+def test_the_timer_check_says_it_needs_a_gpu(monkeypatch):
+    from tests.benchmark import tuner_timer
+    monkeypatch.setattr(tuner_timer.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        tuner_timer.main()
+
+
 def test_keeps_the_default_unless_clearly_faster(tmp_path):
     """A candidate within the timer's noise (MARGIN) of the default does not replace it."""
     from ops.autotune import MARGIN

@@ -67,3 +67,37 @@ def test_min_bytes_counts_each_tensor_once():
     assert tuning_report.min_bytes("compute_out", **kw) == 2 * x + 2 * bc + 2 * f32 + states
     with pytest.raises(ValueError):
         tuning_report.min_bytes("bmm", **kw)
+
+
+def test_against_table_times_the_earlier_tables_choice_in_the_same_search(tmp_path):
+    """A refresh's gain: the time, in the search's own timings, of what an earlier table chose
+    (its own entry, a nearby shape's, or the default) against the winner's."""
+    from ops.autotune import Table
+    entries = tuning_report.load(_cache(tmp_path))            # 1 x 64K x 80, dstate 128: winner 1.0 ms
+    shape = {k: str(v) for k, v in entries[0]["shape"].items() if k != "space"}
+    swap = {**DEFAULT, "SWAP": True}
+
+    def entry(cfg, **changes):
+        return {"kernel": "compute_out", "device": "Test GPU", "shape": {**shape, **changes}, "config": cfg}
+
+    (_, _, how, ms, tuned, speedup), = tuning_report.against_table(entries, Table([]))
+    assert (how, ms, tuned, speedup) == ("default", 2.0, 1.0, 2.0)
+    # the nearest shape's entry (16K: one shape away), not another dstate's
+    table = Table([entry(swap, seqlen="16384"), entry({**DEFAULT, "INDEX64": True}, dstate="256")])
+    (_, _, how, ms, _, speedup), = tuning_report.against_table(entries, table)
+    assert (how, ms, speedup) == ("nearest", 1.6, 1.6)
+    # its own entry wins over a nearby one
+    table = Table([entry(swap, seqlen="16384"), entry({**DEFAULT, "occupancy": 2})])
+    (_, _, how, ms, _, speedup), = tuning_report.against_table(entries, table)
+    assert (how, ms, speedup) == ("entry", 2.5, 2.5)
+
+
+def test_against_table_from_the_command_line(tmp_path, capsys):
+    path = _cache(tmp_path)
+    entries = tuning_report.load(path)
+    shape = {k: str(v) for k, v in entries[0]["shape"].items() if k != "space"}
+    old = tmp_path / "old_table.json"
+    old.write_text(json.dumps({"entries": [{"kernel": "compute_out", "device": "Test GPU", "shape": shape,
+                                            "config": {**DEFAULT, "SWAP": True}}]}))
+    tuning_report.main([str(path), "--against", str(old)])
+    assert "| compute_out | 1 x 65536 x 80, 1, 128 | entry | 1.6000 | 1.0000 | 1.60x |" in capsys.readouterr().out

@@ -7,9 +7,14 @@ same shape, each candidate says what its changes bought or cost there.
     python tests/benchmark/tuning_report.py tests/benchmark/results/autotune_h200.json.gz
     python tests/benchmark/tuning_report.py CACHE --kernel compute_out --seqlen 65536 --dstate 512
 
+    python tests/benchmark/tuning_report.py CACHE --chunk 128 --against OLD_TABLE.json
+
 ``load(path)`` -> entries (chunk 256's); ``knobs(entry)`` -> one row per candidate (its changes from the
 default, time, speedup); ``best_single_knob(entries, kernel)`` -> for each knob, the speedup of
-the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape.
+the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape;
+``against_table(entries, table)`` -> what a refresh of the table gained at the searched shapes:
+the time, in the same search, of the config an earlier table (``ops.autotune.Table``) chose
+there (its own entry, or one borrowed from the nearest tuned shape), against the winner's.
 """
 import argparse
 
@@ -114,6 +119,25 @@ def min_bytes(kernel, *, seqlen, nheads=80, headdim=64, ngroups=1, dstate, chunk
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
+def against_table(entries, table):
+    """Rows (kernel, shape, what ``table`` chose: "entry" / "nearest" / "default", its ms, the
+    winner's ms, speedup), from the search's own timings: both configs timed in one run on the
+    same inputs. ``table`` is an ``ops.autotune.Table``; a choice the search did not time has ms
+    None (and speedup None)."""
+    rows = []
+    for e in entries:
+        candidates = [cfg for _, cfg in e["timings"]]
+        want = {k: v for k, v in e["shape"].items() if k != "space"}
+        chosen = table.choose(e["kernel"], e["device"], want, candidates)
+        own = any(t["kernel"] == e["kernel"] and t["device"] == e["device"]
+                  and t["shape"] == {k: str(v) for k, v in want.items()} for t in table.entries)
+        how = "default" if chosen is None else ("entry" if own else "nearest")
+        chosen = e["default"] if chosen is None else chosen
+        ms = next((t for t, cfg in e["timings"] if cfg == chosen), None)
+        rows.append((e["kernel"], want, how, ms, e["ms"], None if ms is None else ms / e["ms"]))
+    return rows
+
+
 def markdown(entry, top=None):
     lines = [f"{entry['kernel']} at L={entry['shape']['seqlen']}, dstate={entry['shape']['dstate']} "
              f"({entry['device']}): default {entry['default_ms']:.3f} ms, tuned {entry['ms']:.3f} ms",
@@ -130,12 +154,24 @@ def main(argv=None):
     ap.add_argument("--seqlen", type=int, default=None)
     ap.add_argument("--dstate", type=int, default=None)
     ap.add_argument("--top", type=int, default=None)
+    ap.add_argument("--chunk", type=int, default=256, help="the entries tuned at this chunk size")
+    ap.add_argument("--against", metavar="TABLE", help="an earlier tuned table (ops/tuned_configs.json "
+                    "as it was): the time of its choice at each searched shape against the winner's")
     args = ap.parse_args(argv)
-    for e in load(args.cache):
-        s = e["shape"]
-        if ((args.kernel and e["kernel"] != args.kernel) or (args.seqlen and s["seqlen"] != args.seqlen)
-                or (args.dstate and s["dstate"] != args.dstate)):
-            continue
+    entries = [e for e in load(args.cache, chunk_size=args.chunk)
+               if not ((args.kernel and e["kernel"] != args.kernel)
+                       or (args.seqlen and e["shape"]["seqlen"] != args.seqlen)
+                       or (args.dstate and e["shape"]["dstate"] != args.dstate))]
+    if args.against:
+        from ops.autotune import Table
+        print("| kernel | batch x seqlen x heads, groups, dstate | earlier table's choice | its ms | "
+              "tuned ms | speedup |\n| --- | --- | --- | ---: | ---: | ---: |")
+        for kernel, s, how, ms, tuned, sp in against_table(entries, Table.load(args.against)):
+            print(f"| {kernel} | {s['batch']} x {s['seqlen']} x {s['nheads']}, {s['ngroups']}, "
+                  f"{s['dstate']} | {how} | {'-' if ms is None else f'{ms:.4f}'} | {tuned:.4f} | "
+                  f"{'-' if sp is None else f'{sp:.2f}x'} |")
+        return
+    for e in entries:
         print(markdown(e, args.top))
         print()
 
