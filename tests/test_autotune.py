@@ -155,6 +155,38 @@ def test_the_timers_sleep_outlasts_the_hosts_call():
     assert sleep_cycles(1.0) == int(2e-2 * SLEEP_HZ)
 
 
+def test_the_timer_sleeps_longer_than_the_hosts_last_warm_up_call(monkeypatch):
+    """cuda_event_timer sizes the sleep ahead of each timed launch from the host's time for the
+    last warm-up call (the GPU's part faked here: the sleep and the events)."""
+    from ops import autotune
+    torch = pytest.importorskip("torch")
+    slept, clock = [], [0.0]
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            self.at = clock[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    host = iter([0.05, 0.002] + [0.0] * 20)          # host seconds per call: first warm-up slow
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+
+    def fn():
+        clock[0] += next(host) + 1e-5                # the host's part, and 10 us of "kernel"
+    assert autotune.cuda_event_timer(fn, warmup=2, reps=3) == pytest.approx(0.01)
+    want = autotune.sleep_cycles(0.002 + 1e-5)      # 4x the second call's, above the floor
+    assert len(slept) == 3 and all(abs(c - want) <= 2 for c in slept) and want > autotune.sleep_cycles(0.0)
+
+
 def test_the_timer_check_says_it_needs_a_gpu(monkeypatch):
     from tests.benchmark import tuner_timer
     monkeypatch.setattr(tuner_timer.torch.cuda, "is_available", lambda: False)

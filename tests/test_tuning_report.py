@@ -90,6 +90,10 @@ def test_against_table_times_the_earlier_tables_choice_in_the_same_search(tmp_pa
     table = Table([entry(swap, seqlen="16384"), entry({**DEFAULT, "occupancy": 2})])
     (_, _, how, ms, _, speedup), = tuning_report.against_table(entries, table)
     assert (how, ms, speedup) == ("entry", 2.5, 2.5)
+    # ... unless the search did not time its config: then the nearby one's, labelled so
+    table = Table([entry(swap, seqlen="16384"), entry({**DEFAULT, "BLOCK_M": 256})])
+    (_, _, how, ms, _, _), = tuning_report.against_table(entries, table)
+    assert (how, ms) == ("nearest", 1.6)
 
 
 def test_against_table_from_the_command_line(tmp_path, capsys):
@@ -101,3 +105,8 @@ def test_against_table_from_the_command_line(tmp_path, capsys):
                                             "config": {**DEFAULT, "SWAP": True}}]}))
     tuning_report.main([str(path), "--against", str(old)])
     assert "| compute_out | 1 x 65536 x 80, 1, 128 | entry | 1.6000 | 1.0000 | 1.60x |" in capsys.readouterr().out
+
+
+def test_against_a_missing_table_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="--against: no table"):
+        tuning_report.main([str(_cache(tmp_path)), "--against", str(tmp_path / "missing.json")])

@@ -17,6 +17,7 @@ the time, in the same search, of the config an earlier table (``ops.autotune.Tab
 there (its own entry, or one borrowed from the nearest tuned shape), against the winner's.
 """
 import argparse
+import os
 
 # Knobs, and the names the notebook and tables use for them.
 KNOB_NAMES = {
@@ -120,21 +121,23 @@ def min_bytes(kernel, *, seqlen, nheads=80, headdim=64, ngroups=1, dstate, chunk
 
 
 def against_table(entries, table):
-    """Rows (kernel, shape, what ``table`` chose: "entry" / "nearest" / "default", its ms, the
-    winner's ms, speedup), from the search's own timings: both configs timed in one run on the
-    same inputs. ``table`` is an ``ops.autotune.Table``; a choice the search did not time has ms
-    None (and speedup None)."""
+    """Rows (kernel, shape, what ``table`` chose: "entry" (this shape's own), "nearest" (a
+    nearby shape's) or "default", its ms, the winner's ms, speedup), from the search's own
+    timings: both configs timed in one run on the same inputs. ``table`` is an
+    ``ops.autotune.Table``; it chooses among the configs the search timed, so an entry whose
+    config the search did not time is passed over, as the forward would pass it over."""
     rows = []
     for e in entries:
         candidates = [cfg for _, cfg in e["timings"]]
         want = {k: v for k, v in e["shape"].items() if k != "space"}
         chosen = table.choose(e["kernel"], e["device"], want, candidates)
-        own = any(t["kernel"] == e["kernel"] and t["device"] == e["device"]
-                  and t["shape"] == {k: str(v) for k, v in want.items()} for t in table.entries)
-        how = "default" if chosen is None else ("entry" if own else "nearest")
+        own = [t["config"] for t in table.entries
+               if t["kernel"] == e["kernel"] and t["device"] == e["device"]
+               and t["shape"] == {k: str(v) for k, v in want.items()}]
+        how = "default" if chosen is None else ("entry" if chosen in own else "nearest")
         chosen = e["default"] if chosen is None else chosen
-        ms = next((t for t, cfg in e["timings"] if cfg == chosen), None)
-        rows.append((e["kernel"], want, how, ms, e["ms"], None if ms is None else ms / e["ms"]))
+        ms = next(t for t, cfg in e["timings"] if cfg == chosen)
+        rows.append((e["kernel"], want, how, ms, e["ms"], ms / e["ms"]))
     return rows
 
 
@@ -164,12 +167,13 @@ def main(argv=None):
                        or (args.dstate and e["shape"]["dstate"] != args.dstate))]
     if args.against:
         from ops.autotune import Table
+        if not os.path.isfile(args.against):
+            raise SystemExit(f"--against: no table at {args.against!r} (a tuned_configs.json)")
         print("| kernel | batch x seqlen x heads, groups, dstate | earlier table's choice | its ms | "
               "tuned ms | speedup |\n| --- | --- | --- | ---: | ---: | ---: |")
         for kernel, s, how, ms, tuned, sp in against_table(entries, Table.load(args.against)):
             print(f"| {kernel} | {s['batch']} x {s['seqlen']} x {s['nheads']}, {s['ngroups']}, "
-                  f"{s['dstate']} | {how} | {'-' if ms is None else f'{ms:.4f}'} | {tuned:.4f} | "
-                  f"{'-' if sp is None else f'{sp:.2f}x'} |")
+                  f"{s['dstate']} | {how} | {ms:.4f} | {tuned:.4f} | {sp:.2f}x |")
         return
     for e in entries:
         print(markdown(e, args.top))
