@@ -40,17 +40,14 @@ def load(path, chunk_size=256):
     timings [(ms, config), ...]). The default is the first candidate timed (the search spaces
     put it first); entries without per-candidate timings are skipped. Only entries tuned at
     ``chunk_size`` are kept (None: every chunk size), so that one (seqlen, dstate) names one entry."""
-    from ops.autotune import read_cache
+    from ops.autotune import parse_key, read_cache
     raw = read_cache(path)                 # caches are committed gzipped
     entries = []
     for key, value in raw.items():
         if not value.get("timings"):
             continue
-        kernel, device, _, items = key.split("|")
-        shape = {}
-        for item in items.split(","):
-            k, v = item.split("=", 1)
-            shape[k] = int(v) if v.isdigit() else v
+        kernel, device, items = parse_key(key)
+        shape = {k: int(v) if v.isdigit() else v for k, v in items.items()}
         if chunk_size is not None and shape.get("chunk_size") != chunk_size:
             continue
         timings = [(float(ms), cfg) for ms, cfg in value["timings"]]
@@ -167,7 +164,7 @@ def main(argv=None):
                        or (args.dstate and e["shape"]["dstate"] != args.dstate))]
     if args.against:
         from ops.autotune import Table
-        if not os.path.isfile(args.against):
+        if not os.path.exists(args.against):
             raise SystemExit(f"--against: no table at {args.against!r} (a tuned_configs.json)")
         print("| kernel | batch x seqlen x heads, groups, dstate | earlier table's choice | its ms | "
               "tuned ms | speedup |\n| --- | --- | --- | ---: | ---: | ---: |")
