@@ -344,6 +344,79 @@ def sass_report(kernel, args, arch, label=None, specialize=True):
     return dataclasses.replace(_CACHE[key], label=label or kernel_name(kernel))
 
 
+# --- Fingerprints of the pipeline's machine code ------------------------------------------------
+
+def pipeline_launches(seqlen=1024, nheads=4, headdim=64, dstate=128, chunk_size=256,
+                      dtype=torch.bfloat16):
+    """Every distinct launch (kernel, arguments) that a training step and an inference call of
+    ``ops.mamba_chunk_scan_combined`` make at this shape, at the default configs, in order.
+
+    The calls run on the CPU with ``ops.launch.launch`` replaced by a recorder, so no kernel is
+    executed (their outputs stay unwritten): what a kernel compiles to depends only on the
+    arguments' dtypes, sizes, strides and constants. The training step has every option (D per
+    head, z, dt bias and softplus, initial states, packed sequences, final states); the inference
+    call D and the dt options only; the core kernels of ``ops.core`` run once too."""
+    from .. import launch as launch_module
+    from .. import mamba_chunk_scan_combined
+    from ..core import core_forward
+    seen, launches = set(), []
+
+    def record(grid, kernel, args, stream=None):
+        key = (kernel, repr(launch_signature(kernel, args)))
+        if key not in seen:
+            seen.add(key)
+            launches.append((kernel, tuple(args)))
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    b, L, h, p, n = 1, seqlen, nheads, headdim, dstate
+    x, z, dout = rand(b, L, h, p), rand(b, L, h, p), rand(b, L, h, p)
+    B, C = rand(b, L, 1, n), rand(b, L, 1, n)
+    dt, dt_bias, D = rand(b, L, h, dt=torch.float32), rand(h, dt=torch.float32), rand(h, dt=torch.float32)
+    A = -torch.rand(h, generator=gen) - 0.5
+    init = rand(b, h, p, n, dt=torch.float32)
+    seq_idx = (torch.arange(L) >= L // 3).to(torch.int32)[None]
+    original = launch_module.launch
+    launch_module.launch = record
+    try:
+        leaves = [t.clone().requires_grad_() for t in (x, dt, A, B, C, D, z, dt_bias, init)]
+        out, final = mamba_chunk_scan_combined(
+            *leaves[:5], chunk_size, D=leaves[5], z=leaves[6], dt_bias=leaves[7],
+            initial_states=leaves[8], seq_idx=seq_idx, dt_softplus=True,
+            return_final_states=True, backend="interpret")
+        torch.autograd.backward((out, final), (dout, torch.ones_like(final)))
+        with torch.no_grad():
+            mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                                      dt_softplus=True, backend="interpret")
+        core_forward(x, dt.abs() + 0.01, A, B, C, chunk_size)
+    finally:
+        launch_module.launch = original
+    return launches
+
+
+def sass_fingerprints(arch="sm_90", **shape):
+    """[(kernel name, signature digest, SASS digest)] of ``pipeline_launches(**shape)``, each
+    launch compiled for ``arch`` as a launch specializes it. The SASS digest is the SHA-256 of
+    nvdisasm's listing of the code: equal digests mean identical machine code. Used to show that
+    a change that should not touch the kernels (moving modules, renaming helpers) did not."""
+    import hashlib
+    rows = []
+    for kernel, args in pipeline_launches(**shape):
+        cubin = compile_cubin(kernel, args, arch)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
+            code = _run("nvdisasm", "-c", path)
+        signature = repr(launch_signature(kernel, args))
+        rows.append((kernel_name(kernel), hashlib.sha256(signature.encode()).hexdigest()[:12],
+                     hashlib.sha256(code.encode()).hexdigest()[:16]))
+    return rows
+
+
 # --- Command line ------------------------------------------------------------------------------
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -374,7 +447,16 @@ def main(argv=None):
                              "specializing on contiguous, aligned tensors as a launch does")
     parser.add_argument("--top", type=int, default=0, metavar="N",
                         help="also list the N most frequent opcodes of each variant")
+    parser.add_argument("--fingerprint", action="store_true",
+                        help="instead: one line per distinct launch of a training step and an "
+                             "inference call at the default configs, with the SHA-256 of its "
+                             "machine code for each --arch (sass_fingerprints)")
     a = parser.parse_args(argv)
+    if a.fingerprint:
+        for arch in a.arch.split(","):
+            for name, signature, digest in sass_fingerprints(arch.strip()):
+                print(f"{arch.strip()}  {name:<28} signature {signature}  sass {digest}")
+        return
     for name in a.kernels:
         if name not in KERNELS:
             parser.error(f"unknown kernel {name!r}; choose from {', '.join(KERNELS)}")
