@@ -33,14 +33,12 @@ ddt_out and ddA_cumsum into the token launch's (then float32) ones.
 
 Memory (bytes beyond the inputs and dout, at batch 8 x 2K tokens, 80 heads of 64 x 128, 1 group,
 bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
-``tests/test_backward_kernels.py`` checks them)
-    First version, alive together at the end (dx's sums), 3.18 GB (3.6 GB at chunk 128;
-    measured on an H200 as a training step's peak: 3.2 and 3.7 GB, against 0.54 GB for
-    mamba_ssm's Triton): dB per head from chunk_states, float32 (b, L, h, n) 671 MB; dx's float32
-    partials and their sums, 5 x 336 MB; float32 copies of dout, x and their product in the gate;
-    the recomputed y, never read without z; float32 dentry and dS.
-    Now the peak is compute_out's token launch: 425 MiB at chunk 256, 577 MiB at 128 (the chunk
-    an H200 computes a caller's 256 at: ``ops/compute_chunk.py``); with z, whose dz and dy in
+``tests/kernels/test_backward_kernels.py`` checks them)
+    Nothing token-sized is held in float32 or per head: dx is written once in x's dtype, dB and
+    dC are summed over a group's heads in the token kernel, and the gate runs over slices of the
+    tokens (``SLICE_ELEMENTS``).
+    The peak is compute_out's token launch: 425 MiB at chunk 256, 577 MiB at 128 (the chunk
+    an H200 computes a caller's 256 at: ``ops/tuning/compute_chunk.py``); with z, whose dz and dy in
     x's dtype add 2 x 160 MiB, 745 and 897 MiB. Alive there, MiB at 256 (at 128):
         dx in x's dtype 160, written once by the token launch (no float32 dx)
         dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
@@ -51,16 +49,13 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
         dy: dout itself (without z); y not computed without z; no dentry (the pass forms it:
         FUSE_ENTRY), which with FUSE_ENTRY=False is a float32 (b, c, h, p, n) buffer, 160
         (320), alive through the pass, whose step is then the peak at 128 (670 MiB).
-    Measured on an H200 as a training step's peak (``tests/benchmark/fwd_bwd.py``, the forward's
-    output and the gradients included): 949 MiB computing at 128 and 715 MiB at exactly the
-    caller's 256, against 713 MiB for mamba_ssm's Triton at chunk 256
-    (``results/fwd_bwd_h200.csv``, ``results/fwd_bwd_caller_h200.csv``). At 128 that is about
-    200 MiB more than this accounting, the forward's output and the gradients make. That was a
-    leak, since fixed: a re-used plan (``ops.launch.PlanTemplate.bind``) held its buffers in a
-    reference cycle until the garbage collector ran, so the forward's entry and final states (160
-    and 20 MiB) and the recompute's final states (20) stayed allocated through this peak
-    (``tests/benchmark/memory_probe.py`` found the blocks). Measured again after the fix: 737 MiB
-    at 128 (``results/fwd_bwd_2p7b_plan_fix_h200.csv``), 3% above Triton's step.
+    A training step's peak adds the forward's output and the gradients to this; it is measured
+    by ``tests/benchmark/fwd_bwd.py`` (``tests/benchmark/results/fwd_bwd_2p7b_plan_fix_h200.csv``
+    at the 2.7B training shape, next to mamba_ssm's Triton: PERF_NOTES.md, "The backward computes
+    at the forward's chunk"). Plans must hold no reference cycles, or the forward's entry and
+    final states stay allocated through this peak until the garbage collector runs
+    (``ops.runtime.launch._build``; PERF_NOTES.md, "Plans hold no reference cycles", and
+    ``tests/benchmark/results/memory_probe_2p7b_h200.txt``).
 
 Saved and recomputed
     The operator saves only its inputs. The backward runs the forward kernels once more,
@@ -88,17 +83,18 @@ from typing import Optional
 import torch
 
 from . import forward as forward_module
-from .bwd_chunk_cumsum import bwd_chunk_cumsum
-from .bwd_chunk_states import bwd_chunk_states
-from .bwd_chunk_states import default_config as chunk_states_config
-from .bwd_compute_out import bwd_compute_out_plan
-from .bwd_compute_out import default_config as compute_out_config
-from .bwd_pass_state import bwd_pass_state
-from .bwd_pass_state import default_config as pass_state_config
-from .compute_chunk import kernel_chunk
-from .configs import resolve_config
-from .launch import run
-from .utils import as_int32
+from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum
+from ops.kernels.backward.bwd_chunk_states import bwd_chunk_states
+from ops.kernels.backward.bwd_chunk_states import default_config as chunk_states_config
+from ops.kernels.backward.bwd_compute_out import bwd_compute_out_plan
+from ops.kernels.backward.bwd_compute_out import default_config as compute_out_config
+from ops.kernels.backward.bwd_pass_state import bwd_pass_state
+from ops.kernels.backward.bwd_pass_state import default_config as pass_state_config
+from ops.tuning.compute_chunk import kernel_chunk
+from ops.tuning.configs import resolve_config
+from ops.runtime.launch import run
+from ops.inputs import as_kernel_input, check_values
+from ops.kernels.common import as_int32
 
 Tensor = torch.Tensor
 
@@ -108,8 +104,9 @@ KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
 BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
 # The chain's own choices over a backward kernel's default config (a kernel's default is the
 # kernel as first written, for its standalone use): the pass over the states forms dentry
-# itself (``ops/bwd_pass_state.py``'s FUSE_ENTRY: 6-13% less time per training step at chunks
-# 64-128 on an H200, no dentry buffer). A config given for the kernel is taken over these.
+# itself (``ops/kernels/backward/bwd_pass_state.py``'s FUSE_ENTRY: less time per training step at
+# chunks 64 and 128, ``tests/benchmark/results/bwd_fuse_entry_h200.csv``, and no dentry buffer).
+# A config given for the kernel is taken over these.
 BACKWARD_DEFAULTS = {"bwd_pass_state": {"FUSE_ENTRY": True}}
 
 
@@ -150,7 +147,6 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     lists them: a dict of step -> {tensor: bytes}, and "peak" -> (step, bytes). Inputs are
     taken contiguous (views are copied, and dout in x's dtype: otherwise dy is a copy of it).
     Every tensor is counted, the (b, h, c, l) ones too."""
-    from .bwd_compute_out import default_config as out_config
     configs = configs or {}
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
     entry_dtype = entry_read_dtype(dtype, states_dtype or dtype)
@@ -164,7 +160,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     groups = batch * seqlen * ngroups * dstate * f32                # a (b, L, g, n) tensor
     final = batch * nheads * headdim * dstate * f32
     per_group = nheads // ngroups
-    out_cfg = resolve_config(configs.get("bwd_compute_out"), out_config(**shape))
+    out_cfg = resolve_config(configs.get("bwd_compute_out"), compute_out_config(**shape))
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
     fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state"), pass_state_config(
@@ -227,8 +223,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     if not fused:
         # bwd_chunk_states after the token kernel: its dB's head-split partials and last-token
         # sums, then dB's sum; dx is converted to x's dtype beside its float32 self at the end
-        from .bwd_chunk_states import default_config as states_config
-        cs_cfg = resolve_config(configs.get("bwd_chunk_states"), states_config(**shape))
+        cs_cfg = resolve_config(configs.get("bwd_chunk_states"), chunk_states_config(**shape))
         cs_splits = per_group // cs_cfg["HEADS_PER_BLOCK"]
         steps["chunk_states"] = {
             **base, **kept, **dinit, **last, "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
@@ -474,8 +469,6 @@ def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt
                  seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], *, chunk_size: int,
                  dt_softplus: bool, dt_min: float, dt_max: float,
                  state_dtype: Optional[torch.dtype], wanted: list[bool]) -> list[Tensor]:
-    from .ssd_combined import check_values
-    from .torch_op import as_kernel_input
     if len(wanted) != len(INPUTS):
         raise ValueError(f"wanted must have one flag per input of {INPUTS}, got {len(wanted)}")
     # The forward's preparation of its inputs (the values were checked there).
@@ -484,7 +477,7 @@ def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
     names = [n for n, w in zip(INPUTS, wanted) if w]
     # the forward's chunk: the caller's, or where the H200 measured another faster, that one
-    # (ops/compute_chunk.py)
+    # (ops/tuning/compute_chunk.py)
     g = kernel_backward(dout, dfinal, x, dt, A, B, C, kernel_chunk(chunk_size, x, B), D=D, z=z,
                         dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
                         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),

@@ -1,7 +1,7 @@
 """What the kernels can tile, checked on the host before anything launches; integer helpers.
 
 Plain Python (neither torch nor cuda.tile needed): ``ops.ssd_combined`` checks its inputs with
-these whatever the backend, and the kernel modules use them through ``ops.utils``.
+these whatever the backend, and the kernel modules use them through ``ops.kernels.common``.
 """
 
 

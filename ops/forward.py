@@ -4,7 +4,7 @@
     (b) fwd_pass_state   chunk states and the pass over chunks -> entry states, final state
     (c) compute_out      entry states + the quadratic form inside each chunk -> outputs
 
-The same code runs on both backends: ``ops.launch.launch`` compiles and launches on CUDA
+The same code runs on both backends: ``ops.runtime.launch.launch`` compiles and launches on CUDA
 tensors and interprets on CPU tensors. Inputs arrive checked and contiguous from
 ``ops.ssd_combined.mamba_chunk_scan_combined``.
 
@@ -17,14 +17,15 @@ import math
 
 import torch
 
-from . import chunk_cumsum as chunk_cumsum_module
-from . import compute_out as compute_out_module
-from . import fwd_pass_state as fwd_pass_state_module
-from .chunk_cumsum import chunk_cumsum
-from .compute_out import compute_out
-from .fwd_pass_state import fwd_pass_state
-from .launch import PlanTemplate, run, tensor_key
-from .utils import as_int32, check_sizes
+from ops.kernels import chunk_cumsum as chunk_cumsum_module
+from ops.kernels import compute_out as compute_out_module
+from ops.kernels import fwd_pass_state as fwd_pass_state_module
+from ops.kernels.chunk_cumsum import chunk_cumsum
+from ops.kernels.compute_out import compute_out
+from ops.kernels.fwd_pass_state import fwd_pass_state
+from ops.runtime.launch import PlanTemplate, run, tensor_key
+from ops.tuning.autotune import mode, seqlen_bucket, tuner
+from ops.kernels.common import as_int32, check_sizes
 
 # Tests set this to NaN-fill every output buffer before the kernels write it, so an element a
 # kernel misses shows up; left off, the buffers are uninitialised (no extra memory traffic).
@@ -32,7 +33,7 @@ POISON_OUTPUTS = False
 
 
 # The kernels of the forward pass, in launch order: name -> module. Each module has
-# ``default_config``, ``search_space``, ``<name>_plan`` (an ``ops.launch.Plan``) and ``<name>``.
+# ``default_config``, ``search_space``, ``<name>_plan`` (an ``ops.runtime.launch.Plan``) and ``<name>``.
 KERNELS = {"chunk_cumsum": chunk_cumsum_module, "fwd_pass_state": fwd_pass_state_module,
            "compute_out": compute_out_module}
 
@@ -43,14 +44,15 @@ _DEFAULTS = {}
 def _config(name, configs, shape, features, run):
     """The config a kernel runs with: the one given, else (on a GPU) the tuned one for this
     shape -- from the cache or the committed table, or a search where one is asked for
-    (``ops/autotune.py``) -- else the default. ``run(config)`` launches the kernel.
+    (``ops/tuning/autotune.py``) -- else the default. ``run(config)`` launches the kernel.
 
     Called on every forward, so the answer is memoised per exact shape (on the tuner object
     off the CPU, so a new tuner starts afresh): building the search space and the tuner's key
-    costs 0.03-0.4 ms of Python per kernel, together more than a whole forward pass at 1K tokens."""
+    costs more Python time, for the three kernels together, than a whole forward pass takes at
+    1K tokens (``tests/benchmark/results/host_time_h200.csv``; PERF_NOTES.md, "An eager call
+    replays the previous call's launches")."""
     if configs.get(name) is not None:
         return configs[name]
-    from .autotune import mode, tuner
     how = mode() if shape["on_gpu"] else "off"     # the interpreter is not timed: defaults only
     memo_key = (name, features, how, tuple(shape.items()))
     memo = _DEFAULTS if how == "off" else tuner().chosen
@@ -64,7 +66,6 @@ def _choose(name, shape, features, run, how):
     default = module.default_config(**shape)
     if how == "off":
         return default
-    from .autotune import tuner
     key, space = tuning_key(name, shape, features)
     if how == "table":
         return tuner().lookup(name, key, space, default)
@@ -74,7 +75,6 @@ def _choose(name, shape, features, run, how):
 def tuning_key(name, shape, features):
     """(the tuner's shape key, the search space) of kernel ``name`` at ``shape`` (as
     ``kernel_forward`` describes a call) with ``features`` ("D", "z", "s", "i" present)."""
-    from .autotune import seqlen_bucket
     sizes = {k: v for k, v in shape.items() if k != "on_gpu"}
     key = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
            for k, v in sizes.items()}
@@ -87,7 +87,7 @@ def tuning_key(name, shape, features):
     return key, space
 
 
-# Plans of recent calls, by what they depend on (ops.launch.PlanTemplate): a call like an earlier
+# Plans of recent calls, by what they depend on (ops.runtime.launch.PlanTemplate): a call like an earlier
 # one re-uses its plan instead of building it again (tens of microseconds of Python per kernel).
 _PLANS = {}
 PLAN_CACHE_SIZE = 512
@@ -130,7 +130,7 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
     ``configs``: ``{"chunk_cumsum": {...}, "fwd_pass_state": {...}, "compute_out": {...}}``,
     any of them optional (or None). A kernel without a config runs its default on the CPU interpreter,
-    and on a GPU the tuned config for the shape (``ops/autotune.py``: a cached search's, else the
+    and on a GPU the tuned config for the shape (``ops/tuning/autotune.py``: a cached search's, else the
     committed table's; ``MAMBA2_CUTILE_AUTOTUNE=1`` searches, ``=0`` runs the defaults)."""
     check_sizes(headdim=x.shape[3], dstate=B.shape[3])   # before anything runs
     configs = dict(configs or {})

@@ -21,7 +21,10 @@ import sys
 
 import torch
 
-from . import autotune, compute_chunk, replay
+from ops.tuning import autotune, compute_chunk
+from ops.inputs import check_values
+from ops.runtime import replay
+from ops.torch_op import EagerAutograd, forward, ssd_forward
 from .checks import check_chunk_size, check_sizes
 
 BACKENDS = ("auto", "reference", "interpret", "cutile")
@@ -68,7 +71,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     replay_key = known = None
     if cu_seqlens is None and not return_varlen_states:
-        # A call like an earlier eager one replays its launches (ops/replay.py): the checks
+        # A call like an earlier eager one replays its launches (ops/runtime/replay.py): the checks
         # below passed for the same shapes and options then, and the configs are the same.
         if (isinstance(seq_idx, torch.Tensor) and seq_idx.dtype in _OTHER_INTEGERS
                 and not torch.compiler.is_compiling()):
@@ -97,26 +100,22 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                    with_varlen=bool(return_varlen_states), state_dtype=state_dtype)
     if wants_grad and resolved == "reference":
         # Plain PyTorch, differentiated by autograd itself.
-        from .torch_op import forward
         out, final_states, varlen_states = forward(
             *tensors, seq_idx, cu_seqlens, backend="reference", **options)
     elif (wants_grad and not torch.compiler.is_compiling()
           and all(t is None or type(t) in replay.PLAIN
                   for t in tensors + (seq_idx, cu_seqlens))):
         # Eager with a gradient: the operator's work and its backward, without its dispatch.
-        from .torch_op import EagerAutograd
         out, final_states, varlen_states = EagerAutograd.apply(
             *tensors, seq_idx, cu_seqlens, dict(backend=resolved, **options))
     elif wants_grad or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
         # Traced (torch.compile, export, fake tensors), or a gradient of a tensor subclass: the
         # custom operator, opaque to the tracer, with its backward registered (ops.torch_op).
-        from .torch_op import ssd_forward
         out, final_states, varlen_states = ssd_forward(
             *tensors, seq_idx, cu_seqlens, backend=resolved, **options)
     else:
         # Eager: the operator's work without its dispatch (tens of microseconds per call),
         # recorded for replay where it can be.
-        from .torch_op import forward
         record = replay_key is not None and known is None and resolved != "reference"
         with replay.Recording(replay_key, stamp, tensors + (seq_idx,)) if record else _NO_RECORDING as rec:
             out, final_states, varlen_states = forward(
@@ -143,10 +142,10 @@ _SEARCHED = {}
 
 def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend):
     """(the replay key of an eager call, the autotuner it was made under), or (None, None)
-    where the call is not replayed (ops.replay): it may search for configs (a key's first call
+    where the call is not replayed (ops.runtime.replay): it may search for configs (a key's first call
     in the search mode), or the outputs are poisoned (tests), or the options are of unusual
     types (they are checked afresh). The autotuning mode and the compute chunk's
-    (ops/compute_chunk.py) are part of the key: switching either changes the launches."""
+    (ops/tuning/compute_chunk.py) are part of the key: switching either changes the launches."""
     forward = sys.modules.get(f"{__package__}.forward")   # None until a kernel backend has run
     if (forward is None or forward.POISON_OUTPUTS or type(dt_limit) is not tuple
             or not all(type(v) in (int, float) for v in dt_limit)):
@@ -330,45 +329,3 @@ def _check_inputs(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq
         if t is not None and t.device != x.device:
             raise ValueError(f"all tensors must be on one device: x is on {x.device}, {name} on {t.device}")
 
-
-def check_values(x, seq_idx, cu_seqlens, check=True):
-    """The checks that read values: seq_idx non-negative and non-decreasing; cu_seqlens from 0
-    to L, increasing, and where seq_idx is given its ids changing exactly at those bounds.
-    Returns seq_idx (derived from cu_seqlens when only that is given).
-
-    While a CUDA graph is being captured the checks are skipped: reading a value would
-    synchronise with the GPU, which a capture forbids (the eager warm-up call before a capture
-    has checked the same tensors). ``check=False`` skips them too."""
-    L = x.shape[1]
-    if check and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if seq_idx is not None:
-            _check_seq_idx(seq_idx)
-        if cu_seqlens is not None:
-            _check_cu_seqlens(cu_seqlens.long(), L, seq_idx)
-    if cu_seqlens is not None and seq_idx is None:
-        lengths = cu_seqlens[1:].long() - cu_seqlens[:-1].long()
-        ids = torch.arange(len(lengths), device=x.device)
-        seq_idx = torch.repeat_interleave(ids, lengths, output_size=L)[None].to(torch.int32)
-    return seq_idx
-
-
-def _check_seq_idx(seq_idx):
-    # One small reduction each; a decreasing id would silently mix sequences.
-    if seq_idx.shape[1] > 1 and bool((seq_idx[:, 1:] < seq_idx[:, :-1]).any()):
-        raise ValueError("seq_idx must be non-decreasing along the sequence (packed sequences in order)")
-    if bool((seq_idx[:, 0] < 0).any()):
-        raise ValueError("seq_idx must be non-negative")
-
-
-def _check_cu_seqlens(cu, L, seq_idx):
-    if int(cu[0]) != 0 or int(cu[-1]) != L:
-        raise ValueError(f"cu_seqlens must start at 0 and end at seqlen ({L}); got "
-                         f"{int(cu[0])} ... {int(cu[-1])}")
-    if bool((cu[1:] <= cu[:-1]).any()):
-        raise ValueError("cu_seqlens must be increasing: every packed sequence has at least one "
-                         "token (a decreasing or repeated bound was found)")
-    if seq_idx is not None:
-        changes = torch.nonzero(seq_idx[0, 1:] != seq_idx[0, :-1]).flatten() + 1
-        if changes.shape != cu[1:-1].shape or not bool((changes == cu[1:-1]).all()):
-            raise ValueError("seq_idx and cu_seqlens disagree: the ids in seq_idx must change "
-                             "exactly at the bounds in cu_seqlens")

@@ -17,78 +17,14 @@ from typing import Optional
 
 import torch
 
-from .ssd_combined import check_values
+from ops.inputs import as_kernel_input, check_values
+from ops.tuning.compute_chunk import kernel_chunk
+from ops.varlen_states import varlen_states
+from reference import chunked
+from reference.backward import ssd_chunked_backward
+from reference.common import compute_dtype
 
 Tensor = torch.Tensor
-
-
-def as_kernel_input(t):
-    """``t`` as the kernels read it: the tensor itself where they read it in place, else a
-    contiguous copy; in both, size-1 dimensions get canonical strides.
-
-    A Mamba-2 layer passes slices of its projection (``ops/mixer.py``): z and dt (and x, B, C
-    where the convolution keeps channels last) with a contiguous last dimension and the row
-    length as token stride. The kernels index only through ``ct.load`` / ``ct.store``, which
-    follow each array's strides (the interpreter indexes the tensor itself), so such views need
-    no copy, which saves a full read and write of each (``_readable_in_place`` says which).
-
-    A size-1 dimension's stride is never stepped, yet a batch-1 slice of a longer tensor keeps
-    its parent's there (2**33 in a 1M-token layer), which the launch would pass to the kernel,
-    out of the 32-bit index range: it is replaced without copying (``_canonical_strides``)."""
-    if t is None:
-        return None
-    if not _readable_in_place(t):
-        t = t.contiguous()
-    strides = _canonical_strides(t)
-    return t if t.stride() == strides else t.as_strided(t.shape, strides)
-
-
-ALIGN = 16      # bytes
-
-
-def _readable_in_place(t):
-    """Whether the kernels read ``t`` where it lies: a contiguous tensor always (as ever); a view
-    when a launch compiles it to the same loads as a contiguous, aligned tensor (TMA copies,
-    16-byte vectors), which needs
-
-    * the last dimension contiguous (a strided one makes every load gather single elements);
-    * the first element and every stepped stride 16-byte aligned: a launch specialises on both,
-      and without them compiles element-by-element loads (4-5 times the instructions in
-      fwd_pass_state and compute_out for sm_90); a copy keeps the fast code for one pass;
-    * no two elements at one address (no broadcast, stride-0 or overlapping dimension: cuTile
-      may compile an array as one whose elements never alias). Taken by increasing stride, each
-      dimension of size > 1 must step past all elements of the smaller ones: true of every
-      slice or permutation of a contiguous tensor.
-
-    Traced by torch.compile, only the reference backend runs here (the kernels run inside the
-    opaque operator, on real tensors), so the base address, unknown then, is not asked for."""
-    if t.is_contiguous():
-        return True
-    size = t.element_size()
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        return False
-    if not torch.compiler.is_compiling() and t.data_ptr() % ALIGN:
-        return False
-    reach = 1                        # one past the largest offset reached by the dims so far
-    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
-        if stride < reach or (stride != 1 and stride * size % ALIGN):
-            return False
-        reach += (n - 1) * stride
-    return True
-
-
-def _canonical_strides(t):
-    """``t``'s strides, each size-1 dimension's replaced by the reach of the dimensions inside it
-    (one past their largest offset): for a contiguous tensor its contiguous strides, as before
-    (so the same compiled code), and never more than ``ops.launch.element_reach(t)``, which
-    picks the index width."""
-    strides, reach = [], 1
-    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
-        if size == 1:
-            stride = reach
-        strides.append(stride)
-        reach += (max(size, 1) - 1) * stride
-    return tuple(reversed(strides))
 
 
 def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chunk_size,
@@ -101,8 +37,6 @@ def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, 
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
     dt_limit = (dt_min, dt_max)
     if backend == "reference":
-        from reference import chunked
-        from reference.common import compute_dtype
         cdt = compute_dtype(x, dt, A, B, C)
         dt_out, dA_cumsum = chunked.chunk_cumsum(dt.to(cdt), A.to(cdt), chunk_size, dt_bias,
                                                  dt_softplus, dt_limit)
@@ -110,17 +44,15 @@ def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, 
         out = chunked.compute_out(x, B, C, dt_out, dA_cumsum, entry, D, z, seq_idx).to(x.dtype)
         exp = torch.exp
     else:
-        from .compute_chunk import kernel_chunk
-        from .forward import kernel_forward
+        from ops.forward import kernel_forward        # cuda.tile: the reference runs without it
         # the chunk the kernels compute with: the caller's, or where the H200 measured another
-        # faster, that one (the same function; ops/compute_chunk.py)
+        # faster, that one (the same function; ops/tuning/compute_chunk.py)
         out, final_states, (dt_out, dA_cumsum, entry) = kernel_forward(
             x, dt, A, B, C, kernel_chunk(chunk_size, x, B), D=D, z=z, dt_bias=dt_bias,
             initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
             dt_limit=dt_limit, states_dtype=state_dtype or x.dtype, return_intermediates=True)
         exp = torch.exp2                     # the kernels' cumsum is in log2 units
     if with_varlen:
-        from .varlen_states import varlen_states
         varlen = varlen_states(x, B, dt_out, dA_cumsum, entry, cu_seqlens, seq_idx, exp=exp)
     else:
         varlen = final_states.new_empty((0,) + tuple(final_states.shape[1:]))
@@ -184,7 +116,6 @@ def _gradients(ctx, dout, dfinal, eager):
     # (varlen states with a gradient are refused before the forward: ops.ssd_combined)
     wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad)]
     if o["backend"] == "reference":
-        from reference.backward import ssd_chunked_backward
         seq_idx = check_values(x, seq_idx, cu_seqlens, check=False)
         g = ssd_chunked_backward(dout, dfinal, x, dt, A, B, C, o["chunk_size"], D=D, z=z,
                                  dt_bias=dt_bias, initial_states=initial_states,
@@ -192,9 +123,9 @@ def _gradients(ctx, dout, dfinal, eager):
                                  dt_limit=(o["dt_min"], o["dt_max"]))
         grads = [g.get("d" + name) for name in _GRAD_NAMES]
     else:
-        from .backward import backward_op, ssd_backward
         # The operator takes the inputs as saved and prepares them as the forward does
         # (as_kernel_input, seq_idx from cu_seqlens, int32).
+        from ops.backward import backward_op, ssd_backward   # cuda.tile, as kernel_forward
         grads = (ssd_backward if eager else backward_op)(
             dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
             chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"], dt_min=o["dt_min"],
@@ -212,14 +143,14 @@ ssd_forward.register_autograd(_backward, setup_context=_setup_context)
 class EagerAutograd(torch.autograd.Function):
     """The operator's forward and backward for eager calls that need a gradient, without the
     custom operators' dispatch: the same work (``forward``, then ``ops.backward.ssd_backward``)
-    and the same saved inputs, with a quarter less host time per training step (a CPU's Python,
-    launches left out: 0.70 -> 0.53 ms at 512 tokens); at small shapes the host, not the GPU,
-    sets a step's time. Traced calls (torch.compile) and tensor subclasses take the operator.
+    and the same saved inputs, with less host time per training step (PERF_NOTES.md, "Eager
+    training steps go through a plain torch.autograd.Function"); at small shapes the host, not
+    the GPU, sets a step's time. Traced calls (torch.compile) and tensor subclasses take the operator.
     ``options``: the operator's keyword arguments, as a dict."""
 
     # forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, options),
     # taken as *inputs: apply binds the arguments to this signature on every call (for
-    # setup_context), three times faster for one starred parameter than for twelve
+    # setup_context), much faster for one starred parameter than for twelve
     @staticmethod
     def forward(*inputs):
         *tensors, options = inputs

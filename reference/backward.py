@@ -18,7 +18,7 @@ reverse cumsum) and the dt processing. Every product is one einsum, as every for
 The masks (causality, packed sequences) are the forward's: a masked pair has no gradient.
 Intermediates are recomputed here from the inputs, as a backward kernel may do instead of
 storing them. One function per step, each checked against autograd through its forward step
-(tests/test_reference_backward.py), in the layouts of reference/chunked.py:
+(tests/reference/test_reference_backward.py), in the layouts of reference/chunked.py:
 
     gate_and_skip_backward   compute_out_backward   state_passing_backward
     chunk_states_backward    chunk_cumsum_backward  ->  ssd_chunked_backward chains them

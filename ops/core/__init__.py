@@ -3,8 +3,8 @@
 Each is the production kernel of ``ops/`` cut down to its idea: no dt processing, no ``seq_idx``,
 ``D``, ``z`` or initial state, whole chunks (the sequence a multiple of the chunk), one group
 of B and C, one block per chunk (or per head), 32-bit indices, no tuning knobs. They compute
-the same intermediates in the same layouts as ``ops.chunk_cumsum``, ``ops.fwd_pass_state`` and
-``ops.compute_out``, so each can be checked against ``reference.chunked`` and against the
+the same intermediates in the same layouts as ``ops.kernels.chunk_cumsum``, ``ops.kernels.fwd_pass_state`` and
+``ops.kernels.compute_out``, so each can be checked against ``reference.chunked`` and against the
 production kernel, and each body fits on a screen:
 
     chunk_cumsum     dt -> dt_out, dA_cumsum (log2 units)       one block per (chunk, heads)

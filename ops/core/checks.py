@@ -7,7 +7,7 @@ def check_whole_chunks(seqlen, chunk_size):
     check_chunk_size(chunk_size)
     if seqlen % chunk_size:
         raise ValueError(f"the core kernels take whole chunks: seqlen ({seqlen}) must be a "
-                         f"multiple of chunk_size ({chunk_size}); ops.chunk_cumsum etc. take any")
+                         f"multiple of chunk_size ({chunk_size}); ops.kernels.chunk_cumsum etc. take any")
     return seqlen // chunk_size
 
 
@@ -15,5 +15,5 @@ def check_one_group(x, B):
     """One group of B and C for all heads, and tile-sized headdim and dstate."""
     if B.shape[2] != 1:
         raise ValueError(f"the core kernels take one group (B.shape[2] == 1), got {B.shape[2]}; "
-                         f"ops.fwd_pass_state and ops.compute_out take any")
+                         f"ops.kernels.fwd_pass_state and ops.kernels.compute_out take any")
     check_tile_sizes(x.shape[3], B.shape[3])

@@ -9,8 +9,8 @@ import torch
 
 import cuda.tile as ct
 
-from ..launch import Plan, run
-from ..utils import LOG2E, ConstInt, new_output
+from ops.runtime.launch import Plan, run
+from ops.kernels.common import LOG2E, ConstInt, new_output
 from .checks import check_whole_chunks
 
 
@@ -28,7 +28,7 @@ def chunk_cumsum_core_kernel(dt, A, dt_out, dA_cumsum, CHUNK: ConstInt, BLOCK_H:
 
 
 def chunk_cumsum_core_plan(dt, A, chunk_size, block_h=None, poison=False):
-    """The launch (an ``ops.launch.Plan``, outputs allocated) of ``chunk_cumsum_core``."""
+    """The launch (an ``ops.runtime.launch.Plan``, outputs allocated) of ``chunk_cumsum_core``."""
     batch, seqlen, nheads = dt.shape
     nchunks = check_whole_chunks(seqlen, chunk_size)
     if block_h is None:

@@ -10,8 +10,8 @@ import math
 
 import cuda.tile as ct
 
-from ..launch import Plan, run
-from ..utils import ConstInt, new_output
+from ops.runtime.launch import Plan, run
+from ops.kernels.common import ConstInt, new_output
 from .checks import check_one_group, check_whole_chunks
 
 
@@ -39,7 +39,7 @@ def compute_out_core_kernel(x, B, C, dt_out, dA_cumsum, entry_states, out,
 
 
 def compute_out_core_plan(x, B, C, dt_out, dA_cumsum, entry_states, poison=False):
-    """The launch (an ``ops.launch.Plan``, output allocated) of ``compute_out_core``."""
+    """The launch (an ``ops.runtime.launch.Plan``, output allocated) of ``compute_out_core``."""
     batch, seqlen, nheads, headdim = x.shape
     dstate, chunk_size = B.shape[3], dt_out.shape[3]
     nchunks = check_whole_chunks(seqlen, chunk_size)

@@ -12,8 +12,8 @@ import torch
 
 import cuda.tile as ct
 
-from ..launch import Plan, run
-from ..utils import ConstInt, new_output
+from ops.runtime.launch import Plan, run
+from ops.kernels.common import ConstInt, new_output
 from .checks import check_one_group, check_whole_chunks
 
 
@@ -37,7 +37,7 @@ def fwd_pass_state_core_kernel(x, B, dt_out, dA_cumsum, entry_states, final_stat
 
 
 def fwd_pass_state_core_plan(x, B, dt_out, dA_cumsum, states_dtype=torch.float32, poison=False):
-    """The launch (an ``ops.launch.Plan``, outputs allocated) of ``fwd_pass_state_core``."""
+    """The launch (an ``ops.runtime.launch.Plan``, outputs allocated) of ``fwd_pass_state_core``."""
     batch, seqlen, nheads, headdim = x.shape
     dstate, chunk_size = B.shape[3], dt_out.shape[3]
     nchunks = check_whole_chunks(seqlen, chunk_size)

@@ -30,7 +30,7 @@ its globals, this
 
 The price is that the hook (the dispatch mode) is internal to cuTile; like
 every other private name of cuda.tile it is reached through
-``ops.cutile_internals``, which accepts cuda-tile 1.7 only.
+``ops.runtime.cutile_internals``, which accepts cuda-tile 1.7 only.
 
 Modules
 -------

@@ -5,7 +5,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile import RoundingMode
 
-from ..cutile_internals import constant_float, is_float, promote_dtypes
+from ops.runtime.cutile_internals import constant_float, is_float, promote_dtypes
 from .dtypes import (
     TORCH_DTYPE,
     compute,

@@ -10,7 +10,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile import RoundingMode
 
-from ..cutile_internals import is_arithmetic, is_boolean, is_float, is_integral
+from ops.runtime.cutile_internals import is_arithmetic, is_boolean, is_float, is_integral
 from .arguments import (
     as_tile,
     broadcast_error,

@@ -30,7 +30,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile import MemoryOrder, MemoryScope
 
-from ..cutile_internals import is_float, is_integral
+from ops.runtime.cutile_internals import is_float, is_integral
 from .arguments import as_tile, constant
 from .dtypes import convert, is_scalar, storage
 from .errors import KernelTypeError, KernelValueError
@@ -225,6 +225,21 @@ def apply_serialized(target, indices, active, operands, fn, old):
         target[where] = new
 
 
+def serialized_atomic(op, name, dtype, target, indices, shape, active, operands, what):
+    """What every atomic does once its lanes are located: the operands cast to the array's
+    `dtype` and broadcast to the lanes' `shape`, then applied lane by lane to `target` (the
+    tensor `indices` address) in C order.  Returns the tile of old values; lanes that are not
+    `active` (outside the array, masked off) change nothing and read as `poison`, except for
+    cas, whose inactive lanes return their `expected` value as documented."""
+    bitwise = SUPPORTED[name][1]
+    values = [operand_values(op, v, dtype, shape, w, bitwise) for v, w in zip(operands, what)]
+    old = poison(dtype, shape)
+    if name == "cas":  # inactive lanes return their `expected`
+        old = torch.where(active, old, values[0])
+    apply_serialized(target, indices, active, values, combine_fn(name, dtype), old)
+    return Tile(old, dtype)
+
+
 def atomic(name, array, indices, operands, what, check_bounds, memory_order, memory_scope):
     op = f"ct.atomic_{name}"
     if not isinstance(array, Array):
@@ -234,32 +249,42 @@ def atomic(name, array, indices, operands, what, check_bounds, memory_order, mem
     check_order_and_scope(op, memory_order, memory_scope)
     tensors, shape = index_tensors(op, array, indices)
     active = in_bounds(op, array, tensors, check_bounds)
-    bitwise = SUPPORTED[name][1]
-    values = [operand_values(op, v, array.dtype, shape, w, bitwise)
-              for v, w in zip(operands, what)]
-    old = poison(array.dtype, shape)
-    if name == "cas":  # out-of-bounds lanes return their `expected`
-        old = torch.where(active, old, values[0])
-    apply_serialized(array._t, tensors, active, values, combine_fn(name, array.dtype), old)
-    return Tile(old, array.dtype)
-
-
-def _register(name):
-    @emulates(f"atomic_{name}")
-    def rmw(array, indices, update, /, *, check_bounds=True,
-            memory_order=MemoryOrder.ACQ_REL, memory_scope=MemoryScope.DEVICE):
-        return atomic(name, array, indices, (update,), ("update",), check_bounds,
-                      memory_order, memory_scope)
-    rmw.__name__ = rmw.__qualname__ = f"atomic_{name}"
-    return rmw
+    return serialized_atomic(op, name, array.dtype, array._t, tensors, shape, active, operands,
+                             what)
 
 
 # The read-modify-write atomics: one update operand each (cas, below, takes two).
 READ_MODIFY_WRITE = ("add", "max", "min", "and", "or", "xor", "xchg")
 
-for _name in READ_MODIFY_WRITE:
-    _register(_name)
-del _name
+
+def named(fn, name, owner=None):
+    """`fn` renamed `name` (a method of the class named `owner`, if given).  The functions a
+    loop makes, one per operation, get the name of what they emulate, for tracebacks and reprs."""
+    fn.__name__ = name
+    fn.__qualname__ = name if owner is None else f"{owner}.{name}"
+    return fn
+
+
+def emulate_read_modify_write(stub, make):
+    """Register ``make(name)`` as the emulation of the stub ``stub.format(name)`` for every
+    read-modify-write atomic `name`, named as that stub's function (or method) is.
+
+    cuTile has one stub per operation with the same signature, so the emulations come from
+    one factory; cas, with its two operands, is written out by hand."""
+    for name in READ_MODIFY_WRITE:
+        full_name = stub.format(name)
+        emulates(full_name)(named(make(name), full_name.rpartition(".")[2]))
+
+
+def _read_modify_write(name):
+    def rmw(array, indices, update, /, *, check_bounds=True,
+            memory_order=MemoryOrder.ACQ_REL, memory_scope=MemoryScope.DEVICE):
+        return atomic(name, array, indices, (update,), ("update",), check_bounds,
+                      memory_order, memory_scope)
+    return rmw
+
+
+emulate_read_modify_write("atomic_{}", _read_modify_write)
 
 
 @emulates("atomic_cas")

@@ -3,7 +3,7 @@
 import cuda.tile as ct
 import torch
 
-from ..cutile_internals import is_boolean, is_float, is_integral, promote_dtypes
+from ops.runtime.cutile_internals import is_boolean, is_float, is_integral, promote_dtypes
 from .errors import KernelTypeError, UnsupportedOperation
 
 # How each cuTile dtype is stored in torch.  tfloat32 has no torch dtype: it

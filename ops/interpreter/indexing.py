@@ -26,7 +26,7 @@ import cuda.tile as ct
 import torch
 from cuda.tile import PaddingMode
 
-from ..cutile_internals import is_boolean, is_integral, is_signed
+from ops.runtime.cutile_internals import is_boolean, is_integral, is_signed
 from .arguments import check_shape
 from .errors import KernelTypeError, KernelValueError
 from .memory import _padding_value, implicit_cast, padding_fill
@@ -51,13 +51,6 @@ def _check_hints(op, latency, allow_tma=None):
     if allow_tma is not None and not isinstance(allow_tma, bool):
         raise KernelTypeError(f"{op}: `allow_tma` must be a constant bool or None, "
                               f"got {allow_tma!r}")
-
-
-def _check_bounds_flag(op, check_bounds):
-    if not isinstance(check_bounds, bool):
-        raise KernelTypeError(f"{op}: `check_bounds` must be a constant bool, "
-                              f"got {check_bounds!r}")
-    return check_bounds
 
 
 def _broadcastable_to(shape, target):
@@ -182,7 +175,9 @@ def _indexed_operand(op, array, indices, value, what, mask, check_bounds, latenc
     the active lanes)."""
     array = _require_array(op, array)
     idx, shape = _index_items(op, array, indices)
-    check_bounds = _check_bounds_flag(op, check_bounds)
+    if not isinstance(check_bounds, bool):
+        raise KernelTypeError(f"{op}: `check_bounds` must be a constant bool, "
+                              f"got {check_bounds!r}")
     _check_hints(op, latency)
     data = implicit_cast(op, f"`{what}`", value, array.dtype)
     if not _broadcastable_to(data.shape, shape):

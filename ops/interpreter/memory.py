@@ -9,7 +9,7 @@ import warnings
 import torch
 from cuda.tile import MemoryOrder, MemoryScope, PaddingMode
 
-from ..cutile_internals import is_boolean, is_float, is_signed
+from ops.runtime.cutile_internals import is_boolean, is_float, is_signed
 from .arguments import as_int, axis_index, check_shape, constant, int_tuple
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError, kernel_location

@@ -3,7 +3,7 @@
 import cuda.tile as ct
 import torch
 
-from ..cutile_internals import is_integral
+from ops.runtime.cutile_internals import is_integral
 from .arguments import promote, require_tile
 from .dtypes import FLOAT8, convert, to_dtype
 from .errors import KernelTypeError

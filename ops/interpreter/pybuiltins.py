@@ -28,9 +28,9 @@ import builtins
 import contextlib
 import threading
 
-from ..cutile_internals import DispatchMode
+from ops.runtime.cutile_internals import DispatchMode
 from .errors import KernelTypeError
-from .registry import OPS
+from .registry import OPS, InterpreterMode
 from .values import Array, Tile
 
 _ORIGINAL = {name: getattr(builtins, name)
@@ -38,8 +38,7 @@ _ORIGINAL = {name: getattr(builtins, name)
 
 
 def _interpreting():
-    from .runner import Interpreter  # runner imports this module
-    return isinstance(DispatchMode.get_current(), Interpreter)
+    return isinstance(DispatchMode.get_current(), InterpreterMode)
 
 
 def _involves_tiles(args):

@@ -31,9 +31,8 @@ here; lanes switched off by ``mask`` are not checked.
 import torch
 from cuda.tile import MemoryOrder, MemoryScope
 
-from ..cutile_internals import is_boolean, is_integral
+from ops.runtime.cutile_internals import is_boolean, is_integral
 from . import atomics
-from .dtypes import storage
 from .errors import KernelTypeError, KernelValueError
 from .indexing import check_no_conflicts
 from .registry import OPS, emulates
@@ -71,9 +70,7 @@ class RawArrayMemory:
 def _rmw_method(name):
     def method(self, *args, **kwargs):
         return OPS[f"RawArrayMemory.atomic_{name}_offset"](self, *args, **kwargs)
-    method.__name__ = f"atomic_{name}_offset"
-    method.__qualname__ = f"RawArrayMemory.atomic_{name}_offset"
-    return method
+    return atomics.named(method, f"atomic_{name}_offset", "RawArrayMemory")
 
 
 for _name in atomics.READ_MODIFY_WRITE:
@@ -181,30 +178,19 @@ def _atomic_offset(name, raw, offset, operands, what, mask, memory_order, memory
     atomics.check_order_and_scope(op, memory_order, memory_scope)
     offsets = _offsets(op, offset)
     active = _active(op, raw, offsets, mask)
-    bitwise = atomics.SUPPORTED[name][1]
-    values = [atomics.operand_values(op, v, raw.dtype, offsets.shape, w, bitwise)
-              for v, w in zip(operands, what)]
-    old = atomics.poison(raw.dtype, offsets.shape)
-    if name == "cas":  # masked-off lanes return their `expected`
-        old = torch.where(active, old, values[0])
-    atomics.apply_serialized(raw._flat, [offsets], active, values,
-                             atomics.combine_fn(name, raw.dtype), old)
-    return Tile(old, raw.dtype)
+    return atomics.serialized_atomic(op, name, raw.dtype, raw._flat, [offsets], offsets.shape,
+                                     active, operands, what)
 
 
-def _register(name):
-    @emulates(f"RawArrayMemory.atomic_{name}_offset")
+def _read_modify_write(name):
     def rmw(raw, offset, update, /, *, mask=None, memory_order=MemoryOrder.ACQ_REL,
             memory_scope=MemoryScope.DEVICE):
         return _atomic_offset(name, raw, offset, (update,), ("update",), mask,
                               memory_order, memory_scope)
-    rmw.__name__ = rmw.__qualname__ = f"atomic_{name}_offset"
     return rmw
 
 
-for _name in atomics.READ_MODIFY_WRITE:
-    _register(_name)
-del _name
+atomics.emulate_read_modify_write("RawArrayMemory.atomic_{}_offset", _read_modify_write)
 
 
 @emulates("RawArrayMemory.atomic_cas_offset")

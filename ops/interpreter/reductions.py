@@ -6,7 +6,7 @@ import torch
 
 import cuda.tile as ct
 
-from ..cutile_internals import is_arithmetic, is_boolean
+from ops.runtime.cutile_internals import is_arithmetic, is_boolean
 from .arguments import as_tile, axis_index, check_rounding, require_tile
 from .dtypes import NARROW_FLOATS, to_dtype
 from .errors import KernelTypeError

@@ -1,4 +1,6 @@
-"""The operation table: every module of the interpreter registers its emulations here."""
+"""The operation table: every module of the interpreter registers its emulations here; and the
+kind of dispatch mode a kernel runs under on the interpreter."""
+from ops.runtime.cutile_internals import DispatchMode
 
 # Stub name (its name in cuTile's stub module: "load", "Tile.item") -> emulation.
 OPS = {}
@@ -11,3 +13,8 @@ def emulates(*names):
             OPS[name] = fn
         return fn
     return register
+
+
+class InterpreterMode(DispatchMode):
+    """What every dispatch mode of the interpreter is (``runner.Interpreter``): the Python
+    builtins that tile code calls (``pybuiltins``) ask whether one is active."""

@@ -7,17 +7,17 @@ import torch
 
 import cuda.tile as ct
 
-from ..cutile_internals import DispatchMode, ScalarAnnotation, is_stub, kernel_function, stub_name
+from ops.runtime.cutile_internals import DispatchMode, ScalarAnnotation, is_stub, kernel_function, stub_name
 from .arguments import as_int
 from .dtypes import compute, to_dtype
 from . import memory
 from .errors import KernelTypeError, UnsupportedOperation
 from .pybuiltins import tile_builtins
-from .registry import OPS, emulates
+from .registry import OPS, InterpreterMode, emulates
 from .values import Array, Tile
 
 
-class Interpreter(DispatchMode):
+class Interpreter(InterpreterMode):
     """cuTile dispatch mode active while a kernel runs on the CPU.
 
     cuTile's stubs call `call_tile_function_from_host` with themselves as

@@ -4,7 +4,7 @@ import torch
 
 import cuda.tile as ct
 
-from ..cutile_internals import is_boolean, is_float, is_integral
+from ops.runtime.cutile_internals import is_boolean, is_float, is_integral
 from .dtypes import CT_DTYPE
 from .errors import KernelTypeError, UnsupportedOperation
 from .registry import OPS

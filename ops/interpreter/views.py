@@ -21,9 +21,9 @@ import torch
 
 from cuda.tile import PaddingMode
 
-from ..cutile_internals import is_integral, is_signed
+from ops.runtime.cutile_internals import is_integral, is_signed
 from .arguments import as_int, axis_index, check_shape, int_tuple
-from .atomics import SUPPORTED, check_dtype, combine_fn, operand_values
+from .atomics import SUPPORTED, check_dtype, combine_fn, named, operand_values
 from .errors import KernelTypeError, KernelValueError, UnsupportedOperation
 from .memory import _padding_value, padding_fill
 from .registry import emulates
@@ -183,6 +183,7 @@ class TiledView:
         self._array._t[region] = data if inside is None else data[inside]
 
     def _atomic_store(self, name, index, update):
+        """The body of every ``atomic_store_<name>`` method (they are added below the class)."""
         op = f"TiledView.atomic_store_{name}"
         check_dtype(op, name, self.dtype)
         region, inside = self._region(op, index, True)
@@ -191,24 +192,6 @@ class TiledView:
         # Overlapping traversal steps never put two lanes of one tile on one element.
         target[region] = combine_fn(name, self.dtype)(
             target[region], data if inside is None else data[inside])
-
-    def atomic_store_add(self, index, update, /):
-        self._atomic_store("add", index, update)
-
-    def atomic_store_max(self, index, update, /):
-        self._atomic_store("max", index, update)
-
-    def atomic_store_min(self, index, update, /):
-        self._atomic_store("min", index, update)
-
-    def atomic_store_and(self, index, update, /):
-        self._atomic_store("and", index, update)
-
-    def atomic_store_or(self, index, update, /):
-        self._atomic_store("or", index, update)
-
-    def atomic_store_xor(self, index, update, /):
-        self._atomic_store("xor", index, update)
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -220,9 +203,22 @@ class TiledView:
                 f"steps {self._steps}]")
 
 
+# The atomic stores of a tiled view: the read-modify-write atomics but xchg, each a method
+# ``atomic_store_<op>(index, update, /)`` that returns nothing.
+ATOMIC_STORES = ("add", "max", "min", "and", "or", "xor")
+
+
+def _atomic_store_method(name):
+    def method(self, index, update, /):
+        self._atomic_store(name, index, update)
+    return named(method, f"atomic_store_{name}", "TiledView")
+
+
+for _name in ATOMIC_STORES:
+    setattr(TiledView, f"atomic_store_{_name}", _atomic_store_method(_name))
+
 # The view's methods are the emulations of cuTile's ``TiledView`` stubs of the same names (a
 # kernel calls them on the view ``Array.tiled_view`` returned, an object of this class).
-for _name in ("load", "store", "num_tiles", "atomic_store_add", "atomic_store_max",
-              "atomic_store_min", "atomic_store_and", "atomic_store_or", "atomic_store_xor"):
+for _name in ("load", "store", "num_tiles") + tuple(f"atomic_store_{n}" for n in ATOMIC_STORES):
     emulates(f"TiledView.{_name}")(getattr(TiledView, _name))
 del _name

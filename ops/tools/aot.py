@@ -23,7 +23,7 @@ import torch
 import cuda.tile as ct
 from cuda.tile import compilation as cc
 
-from ..cutile_internals import kernel_function
+from ops.runtime.cutile_internals import kernel_function
 
 ARCHS = ["sm_80", "sm_90", "sm_100"]
 CT_DTYPE = {torch.float32: ct.float32, torch.float16: ct.float16, torch.bfloat16: ct.bfloat16,

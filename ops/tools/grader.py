@@ -19,8 +19,8 @@ import re
 import torch
 
 from ..checks import cdiv
-from ..launch import launch
-from ..utils import LOG2E
+from ops.runtime.launch import launch
+from ops.kernels.common import LOG2E
 
 
 @dataclasses.dataclass

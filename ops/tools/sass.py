@@ -30,6 +30,7 @@ import argparse
 import ast
 import collections
 import dataclasses
+import hashlib
 import importlib.util
 import os
 import re
@@ -41,7 +42,10 @@ import tempfile
 import torch
 
 
-from ..cutile_internals import kernel_function
+from ops import mamba_chunk_scan_combined
+from ops.core import core_forward
+from ops.runtime import launch as launch_module
+from ops.runtime.cutile_internals import kernel_function
 from ..forward import KERNELS
 from .aot import compile_cubin, launch_signature, signature_of
 from .plans import SHAPE, plan_options, representative_plan
@@ -351,14 +355,11 @@ def pipeline_launches(seqlen=1024, nheads=4, headdim=64, dstate=128, chunk_size=
     """Every distinct launch (kernel, arguments) that a training step and an inference call of
     ``ops.mamba_chunk_scan_combined`` make at this shape, at the default configs, in order.
 
-    The calls run on the CPU with ``ops.launch.launch`` replaced by a recorder, so no kernel is
+    The calls run on the CPU with ``ops.runtime.launch.launch`` replaced by a recorder, so no kernel is
     executed (their outputs stay unwritten): what a kernel compiles to depends only on the
     arguments' dtypes, sizes, strides and constants. The training step has every option (D per
     head, z, dt bias and softplus, initial states, packed sequences, final states); the inference
     call D and the dt options only; the core kernels of ``ops.core`` run once too."""
-    from .. import launch as launch_module
-    from .. import mamba_chunk_scan_combined
-    from ..core import core_forward
     seen, launches = set(), []
 
     def record(grid, kernel, args, stream=None):
@@ -402,7 +403,6 @@ def sass_fingerprints(arch="sm_90", **shape):
     launch compiled for ``arch`` as a launch specializes it. The SASS digest is the SHA-256 of
     nvdisasm's listing of the code: equal digests mean identical machine code. Used to show that
     a change that should not touch the kernels (moving modules, renaming helpers) did not."""
-    import hashlib
     rows = []
     for kernel, args in pipeline_launches(**shape):
         cubin = compile_cubin(kernel, args, arch)

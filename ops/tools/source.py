@@ -15,7 +15,7 @@ What is left out, given values for some constants:
     branch is dedented into its place; a block left empty gets ``pass``); likewise
     ``a if TEST else b`` expressions. An ``elif`` is decided only once the tests before it are;
   * ``latency=latency_hint(NAME)`` arguments with ``NAME == 0`` (no hint is the same as none);
-  * with ``index64=False``, the ``ct.IndexedWithInt64`` annotations (``ops.launch`` runs a
+  * with ``index64=False``, the ``ct.IndexedWithInt64`` annotations (``ops.runtime.launch`` runs a
     32-bit twin of the kernel whenever every tensor has fewer than 2**31 elements).
 A name assigned once in the function from known constants (``NK = DSTATE // DSTATE_TILE``)
 becomes known too; a parameter the function reassigns is never taken as known. Everything else,
@@ -36,7 +36,7 @@ import textwrap
 
 import cuda.tile as ct
 
-from ..cutile_internals import kernel_function
+from ops.runtime.cutile_internals import kernel_function
 
 
 def function_of(obj):
@@ -74,7 +74,7 @@ def specialised_source(obj, constants=None, index64=None, header=True):
     width), a ``@ct.kernel`` or a plain helper function -- with what ``constants`` rule out left
     out (see the module docstring). ``index64=False`` drops the 64-bit annotations; for a plan it
     defaults to what the plan's kernel uses. ``header`` adds a comment naming the values used."""
-    if hasattr(obj, "kernel") and hasattr(obj, "args"):          # an ops.launch.Plan
+    if hasattr(obj, "kernel") and hasattr(obj, "args"):          # an ops.runtime.launch.Plan
         constants = {**launch_constants(obj), **(constants or {})}
         if index64 is None:
             index64 = uses_int64(obj.kernel)
@@ -99,7 +99,7 @@ def source_diff(obj, before, after, index64=None, context=2):
     dicts of constants): a configuration change shown as the code change it makes. ``obj`` may be
     a plan (its launch's constants, updated by ``before`` / ``after``); the diff's labels name the
     constants that differ."""
-    if hasattr(obj, "kernel") and hasattr(obj, "args"):          # an ops.launch.Plan
+    if hasattr(obj, "kernel") and hasattr(obj, "args"):          # an ops.runtime.launch.Plan
         if index64 is None:
             index64 = uses_int64(obj.kernel)
         base = launch_constants(obj)

@@ -1,15 +1,15 @@
-"""``python -m ops.autotune``: search shapes ahead of time, and turn searches into a table.
+"""``python -m ops.tools.tune``: search shapes ahead of time, and turn searches into a table.
 
-    python -m ops.autotune search --shape batch=8,seqlen=2048,nheads=80 --dstate 128 --jobs 16
-    python -m ops.autotune export ~/.cache/mamba2-cutile/autotune.json --out table.json
-    python -m ops.autotune export new_cache.json --keep ops/tuned_configs.json   # refresh some shapes
+    python -m ops.tools.tune search --shape batch=8,seqlen=2048,nheads=80 --dstate 128 --jobs 16
+    python -m ops.tools.tune export ~/.cache/mamba2-cutile/autotune.json --out table.json
+    python -m ops.tools.tune export new_cache.json --keep ops/tuning/tuned_configs.json   # refresh some shapes
 
 ``search`` makes random inputs of each shape on the GPU, compiles every candidate config of the
 three kernels in parallel worker processes (each launches its candidate once, so cuTile's disk
 cache of compiled kernels holds them all), then runs the forward pass with the search switched
 on: the tuner times every candidate -- now without compiling -- and writes the winners to the
 cache. It prints, per kernel, the default's time, the winner's and what each knob gained alone.
-``export`` writes caches' winners as a table in the format of ``ops/tuned_configs.json``.
+``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``.
 """
 import argparse
 import concurrent.futures
@@ -19,6 +19,11 @@ import sys
 import time
 
 import torch
+
+from ops import forward
+from ops.forward import KERNELS
+from ops.tuning import autotune
+from ops.tuning.autotune import TABLE_PATH, export_table
 
 DEFAULTS = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, dstate=128,
                 chunk_size=256)
@@ -62,7 +67,6 @@ def make_inputs(shape, dtype, features, device="cuda", seed=0):
 def _launch_one(name, shape, dtype_name, features, config, device="cuda"):
     """Worker: run the forward pass once with ``config`` for kernel ``name`` (the others at their
     defaults), which compiles it into cuTile's disk cache. Returns (ok, message)."""
-    from ops import autotune, forward
     # The others at their defaults, whatever the parent's mode: a worker spawned after the parent
     # switched the search on would otherwise search them, timing candidates on a GPU that the
     # other workers share, and write those timings to the cache.
@@ -91,7 +95,6 @@ def _bytes_per_worker(shape, dtype):
 
 def precompile(shape, dtype, features, jobs, out=sys.stderr):
     """Compile every candidate of the three kernels in ``jobs`` processes; returns the failures."""
-    from ops.forward import KERNELS
     sizes = dict(shape, dtype=dtype, states_dtype=dtype)
     work = [(name, cfg) for name, module in KERNELS.items() for cfg in module.search_space(**sizes)]
     free = torch.cuda.mem_get_info()[0]
@@ -135,8 +138,6 @@ def knob_gains(entry, default):
 
 
 def search(args):
-    from ops import autotune, forward
-    from ops.forward import KERNELS
     if not torch.cuda.is_available():
         raise SystemExit("search needs a CUDA GPU (the candidates are timed on it)")
     if args.cache:
@@ -176,13 +177,12 @@ def search(args):
 
 
 def export(args):
-    from ops.autotune import TABLE_PATH, export_table
     out = args.out or TABLE_PATH
     print(f"{export_table(args.caches, out, keep=args.keep)} entries written to {out}")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m ops.autotune", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ops.tools.tune", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("search", help="search shapes on this GPU and cache the winners")
     s.add_argument("--shape", action="append", help="e.g. batch=8,seqlen=2048,nheads=80 (repeatable)")
@@ -198,9 +198,13 @@ def main(argv=None):
     s.set_defaults(run=search)
     e = sub.add_parser("export", help="write caches' winners as a table")
     e.add_argument("caches", nargs="+")
-    e.add_argument("--out", help="default: ops/tuned_configs.json")
+    e.add_argument("--out", help="default: ops/tuning/tuned_configs.json")
     e.add_argument("--keep", metavar="TABLE",
                    help="keep this table's entries for the shapes the caches did not search")
     e.set_defaults(run=export)
     args = parser.parse_args(argv)
     args.run(args)
+
+
+if __name__ == "__main__":
+    main()

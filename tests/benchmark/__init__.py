@@ -1,9 +1,6 @@
-"""The forward-pass benchmark and its reports, importable as ``tests.benchmark.<module>``
-(``bench_forward``, ``report``, ``plot``, ``tuning_report``, ``ncu_summary``, ...)."""
-import pathlib
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"   # the committed measurements
-OUTPUT = RESULTS.parents[2] / "bench_out"                        # new runs (ignored by git)
+"""The benchmarks, run from the repository's root as ``python -m tests.benchmark.<script>``
+(README.md in this folder says which result each one makes). Their readers are ``ops.results``."""
+from ops.results import OUTPUT, RESULTS  # noqa: F401  (where the scripts read and write)
 
 
 def capture_graph(call):

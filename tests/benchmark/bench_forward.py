@@ -25,7 +25,7 @@ dt_softplus, no z -- on the same seeded random inputs, generated on the device (
 Measured per (implementation, L, dstate, chunk), one CSV row each (chunk: the caller's, as a
 model passes it):
     compute_chunk the chunk the implementation computed with: the caller's, but for this project's
-                  kernels where ``ops/compute_chunk.py`` picks another (on the H200, 128 for a
+                  kernels where ``ops/tuning/compute_chunk.py`` picks another (on the H200, 128 for a
                   caller's 256 in bf16; MAMBA2_CUTILE_COMPUTE_CHUNK=caller times the caller's)
     ms            median of ``triton.testing.do_bench`` (which flushes the L2 cache between calls),
                   after a first call that compiles and autotunes and is not timed. Without triton: a
@@ -90,7 +90,7 @@ import tempfile
 import threading
 import time
 
-from tests.benchmark import report
+from ops.results import report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -168,7 +168,7 @@ def build(impl, inp, chunk):
         return lambda: mamba_chunk_scan_combined(*args, **common, backend=impl)
     if impl == "cutile_default":
         from ops import mamba_chunk_scan_combined
-        from ops.autotune import ENV_SWITCH
+        from ops.tuning.autotune import ENV_SWITCH
 
         def untuned():
             before = os.environ.get(ENV_SWITCH)
@@ -200,9 +200,9 @@ def build(impl, inp, chunk):
 
 def computed_chunk(impl, inp, chunk):
     """The chunk ``impl`` computes with for the caller's ``chunk``: this project's kernels may
-    take another (ops/compute_chunk.py); the other implementations take the caller's."""
+    take another (ops/tuning/compute_chunk.py); the other implementations take the caller's."""
     if impl in ("cutile", "cutile_default", "interpret"):
-        from ops.compute_chunk import kernel_chunk
+        from ops.tuning.compute_chunk import kernel_chunk
         return kernel_chunk(chunk, inp["x"], inp["B"])
     return chunk
 
@@ -1024,7 +1024,7 @@ def main(argv=None):
     if args.csv:
         print(f"\nwrote {args.csv} ({len(rows)} rows)")
     if args.plot:
-        from tests.benchmark import plot
+        from ops.results import plot
         plot.plot(rows, args.plot)
         print(f"wrote {args.plot}")
     shutil.rmtree(workdir, ignore_errors=True)          # task files, event logs (and slices, unless --slices)

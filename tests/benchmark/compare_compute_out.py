@@ -42,8 +42,8 @@ import time
 import torch
 
 from ops.checks import cdiv
-from ops.compute_out import compute_out_plan, default_config, search_space
-from ops.launch import run
+from ops.kernels.compute_out import compute_out_plan, default_config, search_space
+from ops.runtime.launch import run
 
 SHAPE = dict(batch=1, nheads=80, headdim=64, ngroups=1, chunk_size=256, dtype=torch.bfloat16)
 
@@ -142,8 +142,8 @@ def compare_sass(before, arch, dstates, seqlen, features):
 def make_tensors(seqlen, dstate, features=False, seed=0):
     """compute_out's inputs from random layer inputs, through this version's first two kernels,
     as ``meta_tensors`` lays them out (``features``: D per headdim column, z, three sequences)."""
-    from ops.chunk_cumsum import chunk_cumsum
-    from ops.fwd_pass_state import fwd_pass_state
+    from ops.kernels.chunk_cumsum import chunk_cumsum
+    from ops.kernels.fwd_pass_state import fwd_pass_state
     from tests.benchmark.bench_forward import make_inputs
     b, h, p, g = SHAPE["batch"], SHAPE["nheads"], SHAPE["headdim"], SHAPE["ngroups"]
     inp = make_inputs(torch, "cuda", b, seqlen, h, p, g, dstate, "bfloat16", seed=seed)
@@ -165,7 +165,7 @@ def make_tensors(seqlen, dstate, features=False, seed=0):
 
 def tuned_config(cache, seqlen, dstate):
     if cache:
-        from tests.benchmark import tuning_report
+        from ops.results import tuning_report
         try:
             return tuning_report.find(tuning_report.load(cache), "compute_out", seqlen,
                                       dstate)["config"]

@@ -17,7 +17,7 @@ inputs, one seeded output gradient):
                autograd op runs it)
     step       both, one after the other: the work of one training step's scan through the op
 ``--variant KERNEL:KEY=VALUE[,KEY=VALUE...]`` (repeatable) gives that kernel a config: the keys
-given over the kernel's *untuned* default config for the shape (``ops/configs.py``'
+given over the kernel's *untuned* default config for the shape (``ops/tuning/configs.py``'
 resolve_config: an unknown key is refused; for a backward kernel, with ``ops.backward``'s
 ``BACKWARD_DEFAULTS`` over that default, as the backward runs it: the pass over the states
 forms dentry unless a variant says FUSE_ENTRY=false); values are ints, true/false (the flags)
@@ -114,7 +114,7 @@ def call(what, inputs, dout, chunk, configs):
     """One run of ``what`` -> its outputs (a list of tensors). ``configs``: by kernel name, or
     ``UNTUNED`` (every kernel's default config, the tuned table switched off for the call)."""
     if configs == UNTUNED:
-        from ops.autotune import ENV_SWITCH
+        from ops.tuning.autotune import ENV_SWITCH
         before = os.environ.get(ENV_SWITCH)
         os.environ[ENV_SWITCH] = "0"           # read at each call
         try:
@@ -243,7 +243,7 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.empty_cache()
         if args.out and rows:
-            from tests.benchmark.report import write_csv
+            from ops.results.report import write_csv
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             write_csv(args.out, [dict(r, device=device_name, torch=torch.__version__)
                                  for r in rows])

@@ -40,7 +40,7 @@ print(json.dumps({"first_s": times[0], "second_s": times[1]}))
 def table_match(shape_text):
     """"exact" if the committed table has compute_out's entry for this shape, else "nearest"."""
     import torch
-    from ops import autotune
+    from ops.tuning import autotune
     from ops.forward import tuning_key
     from ops.tools.tune import DEFAULTS, parse_shape
     shape = dict(parse_shape(shape_text, DEFAULTS), dtype=torch.bfloat16,
@@ -77,7 +77,7 @@ def main(argv=None):
     shapes = args.shape or ["batch=8,seqlen=2048,nheads=80", "batch=2,seqlen=3072,nheads=48"]
     rows = [r for s in shapes for r in run(s)]
     if args.out:
-        from tests.benchmark.report import write_csv
+        from ops.results.report import write_csv
         write_csv(args.out, rows)
 
 

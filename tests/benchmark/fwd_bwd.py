@@ -21,7 +21,7 @@ implementation:
 
 Per implementation and chunk (the caller's, as a model passes it):
     fwd_chunk, bwd_chunk  the chunks the forward and the backward computed with: the caller's,
-                 but for this project's kernels where ``ops/compute_chunk.py`` picks another
+                 but for this project's kernels where ``ops/tuning/compute_chunk.py`` picks another
                  (MAMBA2_CUTILE_COMPUTE_CHUNK=caller: the caller's)
     fwd_bwd_ms   median of ``triton.testing.do_bench`` of one step: the forward with x, dt, A, B,
                  C, D and dt_bias requiring gradients, then ``out.backward(dout)``
@@ -184,12 +184,12 @@ def measure(impl, chunk, inputs, dout, timed=True, graph=False):
 
 
 def computed_chunks(impl, chunk, inputs):
-    """The chunks the forward and the backward computed with (ops/compute_chunk.py: this
+    """The chunks the forward and the backward computed with (ops/tuning/compute_chunk.py: this
     project's kernels may take another than the caller's, the same for both passes; the others
     take the caller's)."""
     if impl != "cutile":
         return dict(fwd_chunk=chunk, bwd_chunk=chunk)
-    from ops.compute_chunk import kernel_chunk
+    from ops.tuning.compute_chunk import kernel_chunk
     used = kernel_chunk(chunk, inputs["x"], inputs["B"])
     return dict(fwd_chunk=used, bwd_chunk=used)
 
@@ -325,7 +325,7 @@ def main(argv=None):
     if (args.grid_seqlens or args.grid_dstates) and not args.grid:
         parser.error("--grid-seqlens and --grid-dstates choose part of --grid: give --grid too")
     if args.replot:
-        from tests.benchmark.report import load
+        from ops.results.report import load
         if not args.plot:
             parser.error("--replot needs --plot")
         rows = load(args.replot)
@@ -385,7 +385,7 @@ def main(argv=None):
                   flush=True)
         del inputs, dout
         if args.out and rows:           # after every shape: a run cut short keeps what it has
-            from tests.benchmark.report import write_csv
+            from ops.results.report import write_csv
             device = torch.cuda.get_device_name()
             write_csv(args.out, [dict(r, device=device, torch=torch.__version__) for r in rows])
     if args.plot and rows:

@@ -7,7 +7,7 @@ what its Python does: the checks, the config lookup, building three plans and la
 Measured here, each as the median over many calls after warm-up (the GPU work is queued, not
 waited for, except where said):
   * eager: ``mamba_chunk_scan_combined`` called back to back (per call, synchronised every 50),
-    replayed (``ops/replay.py``: the launches of the first call re-made with the new tensors), and
+    replayed (``ops/runtime/replay.py``: the launches of the first call re-made with the new tensors), and
     with the replay switched off (checks, configs, plans, launches every time);
   * graph: the same call captured once in a CUDA graph and replayed;
   * launch: one ``ct.launch`` of a tiny kernel, the floor of any launch, and the forward's own
@@ -45,7 +45,7 @@ def main(argv=None):
     from ops.ssd_combined import _check_inputs
     from ops.tools.tune import DEFAULTS, make_inputs, parse_shape
     from tests.benchmark import capture_graph
-    from tests.example_kernels import vector_add
+    from ops.examples import vector_add
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="batch=1,seqlen=1024,nheads=24")
@@ -59,8 +59,9 @@ def main(argv=None):
     call = lambda: mamba_chunk_scan_combined(**kw, chunk_size=q, dt_softplus=True, backend="cutile")
     rows = {}
     with torch.no_grad():
-        rows["eager call"] = per_call(call)           # replayed (ops/replay.py) after the first
-        from ops import replay, ssd_combined
+        rows["eager call"] = per_call(call)           # replayed (ops/runtime/replay.py) after the first
+        from ops.runtime import replay
+        from ops import ssd_combined
         recorded = next(iter(replay._REPLAYS.values()))
         original = ssd_combined._replay_key
         ssd_combined._replay_key = lambda *args: (None, None)     # neither replayed nor recorded
@@ -110,7 +111,7 @@ def main(argv=None):
         print(f"{name:40s} {seconds * 1e3:8.4f} ms")
     print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")
     if args.out:
-        from tests.benchmark.report import write_csv
+        from ops.results.report import write_csv
         device = torch.cuda.get_device_name()
         write_csv(args.out, [dict(shape=args.shape, what=name, ms=seconds * 1e3, device=device,
                                   torch=torch.__version__) for name, seconds in rows.items()])

@@ -15,10 +15,10 @@ by ``new_output``) where those name four, and two of 20 MiB from ``bind`` where 
 20 MiB is the final states' size at chunk 128; 160 MiB the entry states', but also x's. They were
 the forward's entry and final states and the recompute's final states, held through the backward
 by a reference cycle in ``bind`` (found on the CPU with a tracker of live tensors, fixed:
-``ops.launch._build``); ``--depth`` names the callers of ``bind`` to tell such blocks apart. Two
+``ops.runtime.launch._build``); ``--depth`` names the callers of ``bind`` to tell such blocks apart. Two
 probes, each printed:
 
-    launch  one launch of a small kernel (``tests.example_kernels.vector_add``) on three 1 GiB
+    launch  one launch of a small kernel (``ops.examples.vector_add``) on three 1 GiB
             tensors, which are then dropped: how much of their memory comes back. All of it, unless
             something keeps a launch's arguments alive after the launch.
     step    one step (bf16, D, dt_bias, softplus; ``fwd_bwd.py``'s inputs and output gradient)
@@ -63,8 +63,8 @@ def origin(event, root=ROOT, depth=1):
 
 
 def probe_launch(torch):
-    from ops.launch import launch
-    from tests.example_kernels import vector_add
+    from ops.runtime.launch import launch
+    from ops.examples import vector_add
     n, tile = 1 << 28, 1024                           # 1 GiB of float32 each
     a = torch.randn(n, device="cuda")
     b, c = torch.randn_like(a), torch.empty_like(a)

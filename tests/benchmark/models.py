@@ -47,7 +47,7 @@ project at chunks 128 and 256, two models per command (each well inside 10 minut
     concatenated)
 
 ``results/models_auto_h200.csv`` (sources of commit ac1da97) is the same at a caller's chunk 256
-only, where this project computes at 128 (ops/compute_chunk.py), TileGym at 64, in one command
+only, where this project computes at 128 (ops/tuning/compute_chunk.py), TileGym at 64, in one command
 after TileGym's warm step (70 s):
 
     python -m tests.benchmark.models --out models.csv --impls triton,cutile,tilegym \
@@ -72,18 +72,12 @@ import sys
 import tempfile
 import time
 
-from tests.benchmark import OUTPUT, bench_forward, report
+from ops.results import OUTPUT, report
+from ops.results.models import DTYPE, MODELS  # noqa: F401  (part of this script's interface)
+from tests.benchmark import bench_forward
 
 ROOT = bench_forward.ROOT
 
-# The sizes bench_forward takes, per model (notebook 07 imports this). dtype: DTYPE.
-MODELS = {
-    "mamba2-130m-train": dict(batch=16, seqlen=2048, nheads=24, headdim=64, ngroups=1, dstate=128),
-    "mamba2-2.7b-train": dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128),
-    "mamba2-2.7b-prefill": dict(batch=1, seqlen=4096, nheads=80, headdim=64, ngroups=1, dstate=128),
-    "8b-hybrid-layer": dict(batch=2, seqlen=8192, nheads=128, headdim=64, ngroups=8, dstate=128),
-}
-DTYPE = "bf16"
 
 # The chunks each implementation is timed at (why: the module docstring); --impl-chunks replaces
 # entries, and implementations not named here run at --chunks (OTHER_CHUNKS unless given).

@@ -42,7 +42,7 @@ def main(argv=None):
         print(f"headdim {headdim:3d} dstate {dstate:3d}: {ms:7.3f} ms  "
               f"{rows[-1]['ns_per_element']:.4f} ns per x element", flush=True)
     if args.out:
-        from tests.benchmark.report import write_csv
+        from ops.results.report import write_csv
         write_csv(args.out, rows)
 
 

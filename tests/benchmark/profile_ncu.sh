@@ -32,6 +32,6 @@ for shape in $SHAPES; do
             python tests/benchmark/profile_forward.py --impl "$impl" --seqlen "$L" --dstate "$n" --reps 1 \
             > "$OUT/ncu_${impl}_${L}_${n}.log" 2>&1 || { echo "  ncu failed: see the .log"; tail -5 "$OUT/ncu_${impl}_${L}_${n}.log"; continue; }
         "$NCU" --import "$rep.ncu-rep" --csv --page raw > "$csv" || { echo "  import failed"; continue; }
-        python tests/benchmark/ncu_summary.py "$csv" || true
+        python -m ops.results.ncu_summary "$csv" || true
     done
 done

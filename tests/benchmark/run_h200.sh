@@ -18,7 +18,7 @@
 #   profile profile_ncu.sh at PROFILE_SHAPES (default 64K:256 256K:128), cutile and triton
 #                                                             -> $OUT/ncu_*.csv
 #   grid    triton, cutile, tilegym at the caller's chunk 256 (this project's forward may compute
-#           at another: ops/compute_chunk.py; the CSV's compute_chunk column says which)
+#           at another: ops/tuning/compute_chunk.py; the CSV's compute_chunk column says which)
 #                                                             -> $OUT/grid_chunk256.csv (+ .log .png .md)
 #   chunks  the same at chunks 64, 128 and 256, each computed at exactly that chunk
 #           (MAMBA2_CUTILE_COMPUTE_CHUNK=caller); the grid part's chunk-256 rows computed at 256
@@ -35,7 +35,7 @@
 #   warm     30 processes compile the 295 chunk-256 variants of 4K-256K (WARM_SEQLENS=16384) in
 #            ~75 s; 1K specializes differently (add 1024). Without it, tuning one cutile point
 #            compiles up to ~80 configs one at a time: 80-190 s per point instead of 1-17 s.
-#            Since the forward computes at 128 for half the grid's points (ops/compute_chunk.py),
+#            Since the forward computes at 128 for half the grid's points (ops/tuning/compute_chunk.py),
 #            the search needs variants at 128 and 256: at commit ac1da97, warming both chunks for
 #            1K and 16K was 1364 variants, which 16 processes had not finished in 190 s; the 1K x
 #            128 point then ran past its 300 s TASK_TIMEOUT while tuning. warm_compile.py now
@@ -66,7 +66,7 @@ OUT=${OUT:-$PWD/bench_out}
 WORK=${BENCH_WORK:-$PWD/.cache/bench}
 IMPLS=${IMPLS:-triton,cutile,tilegym}
 # "cutile" is the autotuned forward: every shape is searched (the library's default path would
-# read the committed table instead; ops/autotune.py).
+# read the committed table instead; ops/tuning/autotune.py).
 export MAMBA2_CUTILE_AUTOTUNE=${MAMBA2_CUTILE_AUTOTUNE:-1}
 SEQLENS=${SEQLENS:-1K,4K,16K,64K,256K}
 DSTATES=${DSTATES:-64,128,256,512}
@@ -125,8 +125,8 @@ part() {
     fi
     if [ -f "$WORK/$name.csv" ]; then
         cp "$WORK/$name.csv" "$OUT/"
-        python tests/benchmark/plot.py "$OUT/$name.csv" --out "$OUT/$name.png" || true
-        python tests/benchmark/plot.py "$OUT/$name.csv" --markdown --summary > "$OUT/$name.md" || true
+        python -m ops.results.plot "$OUT/$name.csv" --out "$OUT/$name.png" || true
+        python -m ops.results.plot "$OUT/$name.csv" --markdown --summary > "$OUT/$name.md" || true
         cat "$OUT/$name.md"
     fi
     [ -f "$MAMBA2_CUTILE_AUTOTUNE_CACHE" ] && cp "$MAMBA2_CUTILE_AUTOTUNE_CACHE" "$OUT/" || true

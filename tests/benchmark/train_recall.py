@@ -12,7 +12,7 @@ check that the scans give the same training curve.
 
 What it measures. Whether a model trained through this project's scan (forward and backward
 kernels) learns the same thing, at the same rate, as the same model trained through the scan it
-replaces -- not one layer's numerics (tests/test_mixer.py does that) but their effect compounded
+replaces -- not one layer's numerics (tests/api/test_mixer.py does that) but their effect compounded
 over hundreds of optimizer steps. Every scan trains the same model from the same initial weights
 (``--seed``) on the same batches (``--data-seed``); only the scan differs.
 

@@ -1,5 +1,5 @@
 """The autotuner's timer on a kernel of a few microseconds: the sleep queued ahead of each timed
-launch fixed at 0.1 ms, against the one ``ops.autotune.sleep_cycles`` sizes from the host's time.
+launch fixed at 0.1 ms, against the one ``ops.tuning.autotune.sleep_cycles`` sizes from the host's time.
 
     python -m tests.benchmark.tuner_timer          # on a CUDA GPU
 
@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from ops import autotune
-from ops.chunk_cumsum import chunk_cumsum, search_space
+from ops.tuning import autotune
+from ops.kernels.chunk_cumsum import chunk_cumsum, search_space
 
 
 def main():

@@ -14,7 +14,7 @@ compiled.
     python -m tests.benchmark.models --warm       # the model shapes (tests/benchmark/models.py), one pool
 
 ``--chunks`` are the chunks the benchmark calls with; each (length, dstate) compiles at the chunk
-this project's forward then computes with (``ops/compute_chunk.py`` on this GPU, or as
+this project's forward then computes with (``ops/tuning/compute_chunk.py`` on this GPU, or as
 MAMBA2_CUTILE_COMPUTE_CHUNK says: on an H200 a caller's 256 is often computed at 128). A length
 stands for the longer ones that specialize alike at that chunk: 1K tokens have 4 chunks of 256
 (not a multiple of 16), 4K and more have a multiple of 16 chunks; so list the lengths whose chunk
@@ -51,10 +51,10 @@ def _inputs(seqlen, dstate, nheads, headdim, ngroups, batch=1):
 
 def _computed_chunk(caller, seqlen, dstate, args, gpu):
     """The chunk this project's forward computes with when the benchmark calls it at ``caller``
-    (ops/compute_chunk.py: on an H200 often 128 for a caller's 256; MAMBA2_CUTILE_COMPUTE_CHUNK
+    (ops/tuning/compute_chunk.py: on an H200 often 128 for a caller's 256; MAMBA2_CUTILE_COMPUTE_CHUNK
     as set, e.g. "caller" for the chunk sweep): the chunk whose variants the tuner will time."""
     import torch
-    from ops.compute_chunk import chunk_for
+    from ops.tuning.compute_chunk import chunk_for
     return chunk_for(caller, gpu=gpu, dtype=torch.bfloat16, batch=args.batch, seqlen=seqlen,
                      nheads=args.nheads, headdim=args.headdim, dstate=dstate)
 
@@ -68,7 +68,7 @@ def specializes_as(seqlen, chunk):
 def _needs_int64(args, seqlen, dstate, chunk):
     """Whether the call's launches index with 64 bits (a tensor of 2**31 elements or more: at
     256K x 512 the entry states), which also narrows compute_out's search space."""
-    from ops.compute_out import needs_int64
+    from ops.kernels.compute_out import needs_int64
     return needs_int64(batch=args.batch, seqlen=seqlen, chunk_size=chunk, headdim=args.headdim,
                        dstate=dstate, nheads=args.nheads, ngroups=args.ngroups)
 
@@ -96,7 +96,7 @@ def _shapes(args, gpu=None):
 def _tasks(args, gpu=None):
     import torch
     from ops import forward
-    from ops.configs import unique
+    from ops.tuning.configs import unique
     tasks, tilegym = [], []
     # Lengths outermost, as the benchmark's grid runs them: a warm-up cut short by its time limit
     # has then compiled everything the first points need.

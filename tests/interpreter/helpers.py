@@ -115,10 +115,45 @@ def semantics_args():
 def on_gpu_and_cpu(grid, kernel, args):
     """Run ``kernel`` on CPU copies (the interpreter) and CUDA copies (``ct.launch``) of
     ``args``; returns both argument lists, the GPU's moved back to the CPU."""
-    from ops.launch import launch
+    from ops.runtime.launch import launch
     cpu = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
     launch(grid, kernel, cpu)
     launch(grid, kernel, gpu)
     torch.cuda.synchronize()
     return cpu, [a.cpu() if isinstance(a, torch.Tensor) else a for a in gpu]
+
+
+# ---------------------------------------------------------------------------
+# An attention kernel as often written (test_builtins, test_padding)
+# ---------------------------------------------------------------------------
+
+@ct.kernel
+def attention_default_padding(q, k, v, o, sm_scale: float, BLOCK_M: ct.Constant[int],
+                              BLOCK_N: ct.Constant[int], HEAD_DIM: ct.Constant[int]):
+    """One query block against all keys by online softmax, the running max taken by the builtin
+    max() of two tiles.  Keys and values of the last, partial tile are loaded with the default
+    padding; the scores of padded keys are masked to -inf, so their weights are exactly 0, but
+    0 times the padded values must be 0: it is on a GPU (they read as tiny finite numbers), not
+    with NaN padding.  With a key count that is a multiple of BLOCK_N nothing is padded or
+    masked, and the result is plain softmax attention."""
+    start_m = ct.bid(0)
+    q_tile = ct.load(q, (start_m, 0), (BLOCK_M, HEAD_DIM))
+    m_i = ct.full((BLOCK_M,), -math.inf, dtype=ct.float32)
+    l_i = ct.zeros((BLOCK_M,), dtype=ct.float32)
+    acc = ct.zeros((BLOCK_M, HEAD_DIM), dtype=ct.float32)
+    n_keys = k.shape[0]
+    for start_n in range(ct.num_tiles(k, 0, (BLOCK_N, HEAD_DIM))):
+        k_tile = ct.load(k, (start_n, 0), (BLOCK_N, HEAD_DIM))
+        v_tile = ct.load(v, (start_n, 0), (BLOCK_N, HEAD_DIM))
+        s = ct.mma(q_tile, ct.transpose(k_tile), ct.zeros((BLOCK_M, BLOCK_N), dtype=ct.float32))
+        offs_n = start_n * BLOCK_N + ct.arange(BLOCK_N, dtype=ct.int32)
+        s = ct.where(offs_n[None, :] < n_keys, s * sm_scale, -math.inf)
+        m_new = max(m_i, ct.max(s, axis=1))
+        p = ct.exp(s - m_new[:, None])
+        alpha = ct.exp(m_i - m_new)
+        l_i = l_i * alpha + ct.sum(p, axis=1)
+        acc = acc * alpha[:, None] + ct.mma(p, v_tile, ct.zeros((BLOCK_M, HEAD_DIM),
+                                                                dtype=ct.float32))
+        m_i = m_new
+    ct.store(o, (start_m, 0), acc / l_i[:, None])

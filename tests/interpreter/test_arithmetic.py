@@ -10,7 +10,7 @@ import cuda.tile as ct
 
 from ops.interpreter import KernelTypeError
 from ops.interpreter.dtypes import CT_DTYPE
-from ops.launch import launch
+from ops.runtime.launch import launch
 from tests.interpreter.helpers import (
     evaluate,
     randint,

@@ -18,7 +18,7 @@ import re
 import sys
 
 from ops import interpreter
-from ops.cutile_internals import is_stub, stub_module, stub_name
+from ops.runtime.cutile_internals import is_stub, stub_module, stub_name
 from ops.interpreter.registry import OPS
 
 TABLE = pathlib.Path(interpreter.__file__).parent / "COVERAGE.md"

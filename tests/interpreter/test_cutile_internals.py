@@ -1,12 +1,12 @@
-"""ops/cutile_internals.py: the one module that uses cuda.tile's private names."""
+"""ops/runtime/cutile_internals.py: the one module that uses cuda.tile's private names."""
 import pytest
 
 import cuda.tile as ct
 
-from ops import cutile_internals
-from ops.cutile_internals import stub_module
+from ops.runtime import cutile_internals
+from ops.runtime.cutile_internals import stub_module
 from ops.interpreter.registry import OPS
-from tests import example_kernels as ek
+from ops import examples as ek
 
 
 @pytest.mark.parametrize("version", ["1.7.0", "1.7.5", "1.7.0rc1"])
@@ -44,7 +44,7 @@ def test_the_gpu_path_imports_no_private_module_by_name():
     from cuda.tile's private modules is imported when the interpreter first asks for it."""
     import subprocess
     import sys
-    code = ("import ops.launch, ops.cutile_internals as ci; "
+    code = ("import ops.runtime.launch, ops.runtime.cutile_internals as ci; "
             "print(sorted(n for n in ci._LAZY if n in vars(ci)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

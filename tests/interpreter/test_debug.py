@@ -7,7 +7,7 @@ import torch
 import cuda.tile as ct
 
 from ops.interpreter import KernelValueError
-from ops.launch import launch
+from ops.runtime.launch import launch
 from tests.interpreter.helpers import evaluate, randn
 
 

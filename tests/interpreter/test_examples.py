@@ -1,4 +1,4 @@
-"""The example kernels (tests/example_kernels.py) on the CPU against torch, and compiled
+"""The example kernels (ops/examples.py) on the CPU against torch, and compiled
 ahead of time for sm_90 (so they are valid cuTile).
 """
 import pytest
@@ -6,8 +6,8 @@ import torch
 
 import cuda.tile as ct
 
-from ops.launch import launch
-from tests import example_kernels as ek
+from ops.runtime.launch import launch
+from ops import examples as ek
 from tests.interpreter.helpers import (
     array_constraint,
     compile_for_sm90,

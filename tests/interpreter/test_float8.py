@@ -143,7 +143,7 @@ def test_gpu_quantize_round_trip(ct_dtype, torch_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast", [0, 1])
 def test_gpu_fp8_gemm(fast):
-    from ops.launch import launch
+    from ops.runtime.launch import launch
     a = _saturating(randn(64, 128, seed=8) * 4, torch.float8_e4m3fn)
     b = _saturating(randn(128, 64, seed=9) * 4, torch.float8_e4m3fn)
     args = [a, b, poisoned(64, 64), 32, 32, 64, fast]

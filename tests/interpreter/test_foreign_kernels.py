@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ops import interpreter
-from ops.launch import launch
+from ops.runtime.launch import launch
 from tests.interpreter.helpers import array_constraint as arr
 from tests.interpreter.helpers import compile_for_sm90, poisoned, randn
 

@@ -5,7 +5,7 @@ Every test here is marked ``gpu`` and skipped without a CUDA GPU.
 import pytest
 import torch
 
-from tests import example_kernels as ek
+from ops import examples as ek
 from tests.interpreter.helpers import (on_gpu_and_cpu, poisoned, randn, semantics_args,
                                        semantics_probe)
 

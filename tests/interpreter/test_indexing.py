@@ -10,7 +10,7 @@ import cuda.tile as ct
 
 from ops import interpreter
 from ops.interpreter import KernelTypeError, KernelValueError
-from ops.launch import launch
+from ops.runtime.launch import launch
 from tests.interpreter.helpers import on_gpu_and_cpu, poisoned, randint, randn
 
 ConstInt = ct.Constant[int]

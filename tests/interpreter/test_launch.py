@@ -1,4 +1,4 @@
-"""Running kernels (ops/interpreter/runner.py) and the launcher (ops/launch.py): blocks and grids,
+"""Running kernels (ops/interpreter/runner.py) and the launcher (ops/runtime/launch.py): blocks and grids,
 kernel arguments, helper functions, device choice.
 """
 import os
@@ -12,9 +12,9 @@ import cuda.tile as ct
 from cuda.tile import load as tile_load  # a kernel may import operations by name
 
 from ops import interpreter
-from ops.cutile_internals import kernel_function
-from ops.launch import _device_type, launch
-from tests import example_kernels as ek
+from ops.runtime.cutile_internals import kernel_function
+from ops.runtime.launch import _device_type, launch
+from ops import examples as ek
 from tests.interpreter.helpers import evaluate, poisoned, randn
 
 
@@ -108,9 +108,9 @@ def test_launcher_picks_the_device_and_rejects_mixtures():
 
 def test_only_cpu_launches_import_the_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys, ops.launch; print('ops.interpreter' in sys.modules); "
-            "import torch, tests.example_kernels as ek; t = torch.ones(4); "
-            "ops.launch.launch(1, ek.vector_add, (t, t, t, 4)); "
+    code = ("import sys, ops.runtime.launch; print('ops.interpreter' in sys.modules); "
+            "import torch, ops.examples as ek; t = torch.ones(4); "
+            "ops.runtime.launch.launch(1, ek.vector_add, (t, t, t, 4)); "
             "print('ops.interpreter' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                             text=True, check=True)

@@ -17,8 +17,8 @@ import torch
 
 from ops import interpreter
 from ops.interpreter import UndeterminedPaddingWarning
-from ops.launch import launch
-from tests.interpreter.helpers import poisoned, randn
+from ops.runtime.launch import launch
+from tests.interpreter.helpers import attention_default_padding, poisoned, randn
 
 ConstInt = ct.Constant[int]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int8]
@@ -147,7 +147,7 @@ def test_the_environment_variable_sets_the_mode(monkeypatch):
     out = torch.zeros(32)
     monkeypatch.setenv("MAMBA2_CUTILE_UNDETERMINED_PADDING", "gpu")
     with pytest.warns(UndeterminedPaddingWarning):
-        launch((2,), copy_tiles, (a, out, 16))        # ops.launch: CPU tensors, the interpreter
+        launch((2,), copy_tiles, (a, out, 16))        # ops.runtime.launch: CPU tensors, the interpreter
     assert (bits(out[20:]) == 1).all()
     monkeypatch.setenv("MAMBA2_CUTILE_UNDETERMINED_PADDING", "nan")
     launch((2,), copy_tiles, (a, out, 16))
@@ -168,35 +168,8 @@ def test_unknown_modes_are_refused(monkeypatch, value):
         interpreter.launch((2,), copy_tiles, (a, torch.zeros(32), 16))
 
 
-# An attention kernel as often written: keys and values of the last, partial tile loaded with the
-# default padding. The scores of padded keys are masked to -inf, so their weights are exactly 0,
-# but 0 times the padded values must be 0: it is on a GPU (they read as tiny finite numbers), not
-# with NaN padding.
-
-@ct.kernel
-def attention_default_padding(q, k, v, o, sm_scale: float, BLOCK_M: ConstInt, BLOCK_N: ConstInt,
-                              HEAD_DIM: ConstInt):
-    start_m = ct.bid(0)
-    q_tile = ct.load(q, (start_m, 0), (BLOCK_M, HEAD_DIM))
-    m_i = ct.full((BLOCK_M,), -math.inf, dtype=ct.float32)
-    l_i = ct.zeros((BLOCK_M,), dtype=ct.float32)
-    acc = ct.zeros((BLOCK_M, HEAD_DIM), dtype=ct.float32)
-    n_keys = k.shape[0]
-    for start_n in range(ct.num_tiles(k, 0, (BLOCK_N, HEAD_DIM))):
-        k_tile = ct.load(k, (start_n, 0), (BLOCK_N, HEAD_DIM))
-        v_tile = ct.load(v, (start_n, 0), (BLOCK_N, HEAD_DIM))
-        s = ct.mma(q_tile, ct.transpose(k_tile), ct.zeros((BLOCK_M, BLOCK_N), dtype=ct.float32))
-        offs_n = start_n * BLOCK_N + ct.arange(BLOCK_N, dtype=ct.int32)
-        s = ct.where(offs_n[None, :] < n_keys, s * sm_scale, -math.inf)
-        m_new = max(m_i, ct.max(s, axis=1))
-        p = ct.exp(s - m_new[:, None])
-        alpha = ct.exp(m_i - m_new)
-        l_i = l_i * alpha + ct.sum(p, axis=1)
-        acc = acc * alpha[:, None] + ct.mma(p, v_tile, ct.zeros((BLOCK_M, HEAD_DIM),
-                                                                dtype=ct.float32))
-        m_i = m_new
-    ct.store(o, (start_m, 0), acc / l_i[:, None])
-
+# An attention kernel as often written (`attention_default_padding`, in helpers.py): it loads the
+# last, partial key tile with the default padding and relies on the padded values being finite.
 
 def attention_problem():
     S, D, B = 40, 16, 16                  # 40 keys: the last key tile holds 8 and 8 of padding

@@ -1,0 +1,628 @@
+"""Backward kernels: the gradients of compute_out (kernel (c)), without D and z.
+
+The forward (``ops/kernels/compute_out.py``) computes, for a token l of chunk c (dA in log2 units):
+
+    y[l] = w[l] (C[l] @ entry[c]^T) + sum_{s <= l} G[l, s] x[s]
+    G[l, s] = (C[l] . B[s]) M[l, s] dt[s],  M[l, s] = exp2(dA[l] - dA[s])   (0 for s > l or
+                                                                             another sequence)
+    w[l] = exp2(dA[l])                                 (0 unless l belongs to the sequence
+                                                        running at the chunk's start)
+
+so, with dG[l, s] = dy[l] . x[s] and dCB = dG M dt (``reference.backward.compute_out_backward``):
+
+    dx[s]     = sum_l G[l, s] dy[l]                     dB[s] = sum_l dCB[l, s] C[l]
+    dC[l]     = sum_s dCB[l, s] B[s] + w[l] (dy[l] @ entry)
+    ddt[s]    = sum_l dG[l, s] (C[l] . B[s]) M[l, s]
+    ddA[t]    = sum_s (dG G)[t, s] - sum_l (dG G)[l, t] + w[t] (dy[t] . (C[t] @ entry^T))
+    dentry[c] = sum_l w[l] outer(dy[l], C[l])
+
+ddA is the gradient of dA_cumsum in natural-log units (exp2 of log2 values is exp of natural
+ones: the same factors), like the reference's and the other backward kernels'.
+
+Two kernels
+    The gradients of the tokens (dx, dB, dC, ddt, ddA) and that of the entry state (dentry) want
+    different blocks. Each token's gradients sum over the chunk's other tokens; dentry sums over
+    all the chunk's tokens for one head, a (headdim, dstate) result per head. Holding both in one
+    block would mean the whole chunk per block (too many registers at chunk 256) or partial
+    dentry sums added across blocks (atomics, not reproducible). So:
+
+    ``bwd_compute_out_kernel``  one block per (BLOCK_T-token tile of the sequence, block of heads
+        of one group, batch), grid axis 0 the tiles times the head blocks, head blocks fastest
+        (blocks running together read the same B and C tiles, from L2). Its tile t of chunk c
+        plays both roles of the quadratic form: as the SOURCE tokens s (the column tile: dx, dB,
+        ddt and the column sums of dG G, summed over the row tiles i >= t) and as the TARGET
+        tokens l (the row tile: dC and the row sums of dG G, summed over the column tiles
+        j <= t), plus the carried-in terms of its rows. Every (BLOCK_T, BLOCK_T) tile of C B^T,
+        dG, the decays and G is formed in registers and never leaves the chip (the forward's
+        way; with SCORES_IN_MEMORY the C B^T tiles are read instead, from the buffer
+        ``ops/kernels/common.py`` fills once per chunk and group); the diagonal pair is formed
+        once per role. A block's work is the same for every
+        tile (n - t column steps + t + 1 row steps, n tiles per chunk), so blocks are balanced.
+        All outputs of a token tile are complete in one block: ddA's row sums, column sums and
+        carried term are added in registers, nothing is written twice.
+
+        Given dS (``ops/backward.py`` passes it, after the pass over the states), the same block
+        also adds the gradients through its chunk's own state, ``ops/kernels/backward/bwd_chunk_states.py``'s two
+        products per head (WITH_STATES): it holds the tile's x and B already. Given D, it adds
+        the skip's D dy to dx and writes the tile's sum of dy x for dD (WITH_SKIP). dx is then
+        complete and written once, in its final dtype: no float32 dx for a second kernel to
+        add into, and no elementwise passes over x-sized tensors on the host. Fused, the
+        backward takes less time than with bwd_chunk_states launched after it (FUSE_STATES=False)
+        except where ``fuse_states`` says
+        (``tests/benchmark/results/bwd_compute_out_configs_h200.csv``; PERF_NOTES.md, "The token
+        kernel does three steps in one block").
+
+    ``bwd_entry_kernel``  one block per (dentry tile (BLOCK_P, BLOCK_N), chunk, head, batch):
+        the product (w dy)^T @ C over the chunk's token tiles, accumulated in registers.
+
+dB and dC across the heads of a group (deterministic, no atomics)
+    B and C are shared by the heads of a group, so their gradients are sums over those heads. A
+    block loops over HEADS_PER_BLOCK heads of one group in order and sums their contributions in
+    registers. With all the heads of its group (``default_heads_per_block`` for long sequences)
+    a block writes dB and dC (batch, seqlen, ngroups, dstate) directly; when that leaves too
+    few blocks to keep the GPU busy (``BLOCKS_PER_SM``) the heads are split into
+    ``heads_per_group / HEADS_PER_BLOCK`` blocks per group, each writing a partial, which the
+    host adds in a fixed order (one ``sum`` over a small leading axis). Either way the result is
+    bitwise reproducible. (Per-head outputs summed on the host would cost nheads / ngroups times
+    the memory traffic of dB and dC: 80x for a 2.7B layer.)
+
+Ragged and packed sequences
+    Token loads pad with zeros past seqlen (x, dy, B and C of padding tokens are 0, so are their
+    contributions) and stores past it are dropped; a block only walks tiles inside the sequence.
+    ddt and ddA are (batch, nheads, nchunks, CHUNK): the blocks of tiles lying wholly past the
+    end write their zeros. The causal and same-sequence masks are applied to the exponent before
+    exp2 (masked pairs get -inf), as in the forward, and w is 0 for tokens of a sequence that
+    starts inside the chunk.
+
+Sizes
+    headdim and dstate are padded to ``ops.kernels.common.tile_size`` (powers of two, at least 16): the
+    loads pad with zeros and the stores drop the padding. The token kernel holds one head's
+    (headdim, dstate) entry state and the (BLOCK_T, dstate) dB and dC accumulators: fine for the
+    usual 64 x 128 at BLOCK_T = 64; beyond 64 x 256 (= 128 x 128) the default takes BLOCK_T =
+    32, and the largest sizes (256 x 512) compile but spill (they would want dstate slices).
+
+Precision
+    Every product accumulates in float32. C B^T and dG = dy x^T take the inputs as they are
+    (exact operands). The products with computed operands (G, dCB, w dy) and the entry state
+    take bfloat16 operands for bfloat16 inputs (as the forward's weights), float32 ones for
+    float32 and float16 inputs (a loss-scaled gradient overflows float16's range, as in
+    ``ops/kernels/backward/bwd_chunk_states.py``).
+"""
+import torch
+
+import cuda.tile as ct
+
+from ops.tuning.configs import group_divisors, resolve_config, token_tiling, unique, with_hints
+from ops.runtime.launch import Plan, fit_index_width, run
+from ops.kernels.common import (carried_weight, chunk_scores_plan, chunk_tokens, entry_gradient, new_scores, sequence_ids, NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
+                    check_sizes, multiprocessors, new_output, tile_size, unread_stand_in)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# Helpers called from the kernels (compiled into them).
+
+def token_rows(array, b, tile, h, BLOCK_T, WIDTH):
+    """Token tile ``tile`` (BLOCK_T tokens of the sequence) of head or group h of a (batch,
+    seqlen, heads, width) array: (BLOCK_T, WIDTH), zero-padded past seqlen and width."""
+    t = ct.load(array, (b, tile, h, 0), shape=(1, BLOCK_T, 1, WIDTH), padding_mode=ZERO)
+    return ct.reshape(t, (BLOCK_T, WIDTH))
+
+
+def decays(dA_rows, dA_cols, row_pos, col_pos, seq_rows, seq_cols, HAS_SEQ_IDX):
+    """M (rows, cols) = exp2(dA[l] - dA[s]) for kept pairs (s <= l, one sequence), else 0. The
+    mask goes on the exponent (-inf), and kept exponents are clamped to <= 0: no overflow."""
+    keep = row_pos[:, None] >= col_pos[None, :]
+    if HAS_SEQ_IDX:
+        keep = keep & (seq_rows[:, None] == seq_cols[None, :])
+    return ct.exp2(ct.where(keep, ct.minimum(dA_rows[:, None] - dA_cols[None, :], 0.0), NEG_INF))
+
+
+def times_transposed(a, b, acc):
+    """acc + a @ b^T (float32 accumulator)."""
+    return ct.mma(a, ct.transpose(b), acc)
+
+
+def score_tile(scores, c_rows, b_cols, b, c, g, i, j, BLOCK_T, SCORES_IN_MEMORY):
+    """The (BLOCK_T, BLOCK_T) tile (i, j) of chunk c's C B^T: C[rows] @ B[cols]^T formed here, or
+    read from the ``scores`` chunk_scores filled (SCORES_IN_MEMORY: once per group, not once per
+    head)."""
+    if SCORES_IN_MEMORY:
+        t = ct.load(scores, (b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T))
+        return ct.reshape(t, (BLOCK_T, BLOCK_T))
+    return times_transposed(c_rows, b_cols, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+
+
+@ct.kernel
+def bwd_compute_out_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    entry_states: ct.IndexedWithInt64,  # (batch, nchunks, nheads, headdim, dstate)
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dx: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim) float32
+    dB: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
+    dC: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
+    ddt: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32
+    ddA: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32, natural units
+    dS: ct.IndexedWithInt64,            # (batch, nchunks, nheads, headdim, dstate) float32 or
+                                        # x's dtype; unread unless WITH_STATES
+    ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T) float32;
+                                        # unwritten unless WITH_STATES
+    D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
+    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials;
+                                        # unwritten unless WITH_SKIP
+    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
+                                        # (ops/kernels/common.py); unread unless SCORES_IN_MEMORY
+    heads_per_group: int,
+    heads_per_block: int,               # divides heads_per_group; splits = their ratio
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,                  # token tile (rows and columns of the quadratic form)
+    P: ConstInt,                        # headdim and dstate tiles (powers of two, zero-padded)
+    N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    BF16_OPERANDS: ConstBool,           # 16-bit operands for the computed ones (bf16 inputs)
+    WITH_STATES: ConstBool,             # add the gradients through the chunk's own state (dS)
+    WITH_SKIP: ConstBool,               # add the skip's dx (D dy) and write dD's partials
+    SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
+):
+    splits = heads_per_group // heads_per_block
+    head_blocks = dB.shape[3] * splits
+    hblock = ct.bid(0) % head_blocks
+    tile = ct.bid(0) // head_blocks                  # token tile of the whole (chunked) sequence
+    b = ct.bid(1)
+    g, split = hblock // splits, hblock % splits
+    first_head = g * heads_per_group + split * heads_per_block
+    TILES = CHUNK // BLOCK_T
+    c, t = tile // TILES, tile % TILES               # its chunk, and its place in the chunk
+    seqlen = x.shape[1]
+    valid = min(TILES, ct.cdiv(seqlen - c * CHUNK, BLOCK_T))   # tiles of the chunk in the sequence
+    op = x.dtype if BF16_OPERANDS else ct.float32    # operand dtype of the computed products
+
+    if t >= valid:
+        # Past the end of the sequence: only ddt and ddA (whole chunks) are there, all zero.
+        zero = ct.zeros((1, 1, 1, BLOCK_T), dtype=ct.float32)
+        for k in range(heads_per_block):
+            ct.store(ddt, (b, first_head + k, c, t), zero)
+            ct.store(ddA, (b, first_head + k, c, t), zero)
+            if WITH_STATES:
+                ct.store(ddA_tiles, (b, first_head + k, c, t), ct.zeros((), dtype=ct.float32))
+            if WITH_SKIP:
+                ct.store(dD, (b, tile, first_head + k, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
+    else:
+        pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)    # positions in the chunk
+        c_t = token_rows(C, b, tile, g, BLOCK_T, N)
+        b_t = token_rows(B, b, tile, g, BLOCK_T, N)
+        seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
+        dB_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        dC_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        if WITH_STATES:
+            b_t_op = b_t.astype(op)
+            b_t_f32 = b_t.astype(ct.float32)
+            # 1 for the tokens of the sequence the chunk's last token belongs to (they write S[c])
+            keep = ct.full((BLOCK_T,), 1.0, dtype=ct.float32)
+            if HAS_SEQ_IDX:
+                seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
+                keep = ct.where(seq_t == seq_last, 1.0, 0.0)
+        for k in range(heads_per_block):                # the group's heads, in order
+            h = first_head + k
+            dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+            dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
+            dy_t = token_rows(dy, b, tile, h, BLOCK_T, P)
+            x_t = token_rows(x, b, tile, h, BLOCK_T, P)
+            dy_t_op = dy_t.astype(op)
+
+            # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
+            state = ct.load(entry_states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
+                            padding_mode=ZERO)
+            state = ct.reshape(state, (P, N)).astype(op)
+            dy_state = ct.mma(dy_t_op, state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+            w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+            dC_acc = dC_acc + dy_state * w_t[:, None]
+            grad_dA = w_t * ct.sum(dy_state * c_t.astype(ct.float32), axis=1)
+
+            # Tile t as the source tokens s: the row tiles i >= t of the chunk.
+            dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
+            ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
+            for i in range(t, valid):
+                row_tile = c * TILES + i
+                c_i = token_rows(C, b, row_tile, g, BLOCK_T, N)
+                dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P)
+                dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+                pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+                cb = score_tile(scores, c_i, b_t, b, c, g, i, t, BLOCK_T, SCORES_IN_MEMORY)
+                dG = times_transposed(dy_i, x_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
+                dG_m = dG * m
+                ddt_acc = ddt_acc + ct.sum(dG_m * cb, axis=0)
+                dcb = dG_m * dt_t[None, :]                                # d(C B^T)
+                grad_dA = grad_dA - ct.sum(dcb * cb, axis=0)             # column sums of dG G
+                G = cb * m * dt_t[None, :]
+                dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+                dB_acc = ct.mma(ct.transpose(dcb.astype(op)), c_i.astype(op), dB_acc)
+
+            # Tile t as the target tokens l: the column tiles j <= t.
+            for j in range(t + 1):
+                col_tile = c * TILES + j
+                b_j = token_rows(B, b, col_tile, g, BLOCK_T, N)
+                x_j = token_rows(x, b, col_tile, h, BLOCK_T, P)
+                dA_j = chunk_tokens(dA_cumsum, b, h, c, j, BLOCK_T)
+                dt_j = chunk_tokens(dt_out, b, h, c, j, BLOCK_T)
+                pos_j = j * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
+                cb = score_tile(scores, c_t, b_j, b, c, g, t, j, BLOCK_T, SCORES_IN_MEMORY)
+                dG = times_transposed(dy_t, x_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                m_dt = decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX) * dt_j[None, :]
+                dcb = dG * m_dt
+                grad_dA = grad_dA + ct.sum(dcb * cb, axis=1)             # row sums of dG G
+                dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
+
+            if WITH_STATES:
+                # Through the chunk's own state S[c] = sum_s v[s] outer(x[s], B[s]), as
+                # ops/kernels/backward/bwd_chunk_states.py: v = exp2(dA[last] - dA) dt for the last token's sequence.
+                ds = ct.reshape(ct.load(dS, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
+                                        padding_mode=ZERO), (P, N)).astype(op)
+                dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
+                decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
+                v = decay * dt_t
+                b_ds = ct.mma(b_t_op, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
+                x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+                dx_acc = dx_acc + b_ds * v[:, None]
+                dB_acc = dB_acc + x_ds * v[:, None]
+                dv = ct.sum(x_ds * b_t_f32, axis=1)
+                ddt_acc = ddt_acc + dv * decay
+                dvv = dv * v
+                grad_dA = grad_dA - dvv     # and sum(dv v) at the chunk's last token: ddA_tiles
+                ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
+            if WITH_SKIP:
+                # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
+                dy_f32 = dy_t.astype(ct.float32)
+                d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+                dx_acc = dx_acc + dy_f32 * d_h[None, :]
+                dD_t = ct.sum(dy_f32 * x_t.astype(ct.float32), axis=0)
+                ct.store(dD, (b, tile, h, 0), ct.reshape(dD_t, (1, 1, 1, P)))
+            ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
+            ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
+            ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+        ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
+        ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
+
+
+@ct.kernel
+def bwd_entry_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate)
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dentry: ct.IndexedWithInt64,        # (batch, nchunks, nheads, headdim, dstate) float32
+    heads_per_group: int,
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,
+    BLOCK_P: ConstInt,
+    BLOCK_N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    BF16_OPERANDS: ConstBool,
+):
+    nheads = dy.shape[2]
+    n_ptiles = ct.cdiv(dy.shape[3], BLOCK_P)
+    n_tiles = n_ptiles * ct.cdiv(C.shape[3], BLOCK_N)
+    state_tile = ct.bid(0) % n_tiles
+    pi, ni = state_tile % n_ptiles, state_tile // n_ptiles
+    h = (ct.bid(0) // n_tiles) % nheads
+    c = ct.bid(0) // (n_tiles * nheads)
+    b = ct.bid(1)
+    acc = entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group, pi, ni,
+                         CHUNK, BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS)
+    ct.store(dentry, (b, c, h, pi, ni), ct.reshape(acc, (1, 1, 1, BLOCK_P, BLOCK_N)))
+
+
+# Configs and launching -------------------------------------------------------------------------
+
+# The token kernel's block holds many live tiles (the dB, dC and dx accumulators, the tile's B
+# and C, the (BLOCK_T, BLOCK_T) products): with eight worker warps it spills far less than at the
+# compiler's own warp count, with fewer instructions (``python -m ops.tools.sass`` shows both),
+# and the compiler's count (at two blocks per multiprocessor) runs slower
+# (``tests/benchmark/results/bwd_compute_out_configs_h200.csv``; PERF_NOTES.md, "Heads per block").
+WORKER_WARPS = 8
+
+
+def default_block_t(chunk_size, headdim, dstate):
+    """64-token tiles, 32 beyond a 64 x 256 (= 128 x 128) state (the block holds (BLOCK_T,
+    dstate) dB and dC accumulators and (headdim, dstate) states); never more than the chunk.
+
+    At 64 x 128, 32-token tiles take about twice the time of 64-token ones
+    (``tests/benchmark/results/bwd_compute_out_configs_h200.csv``, the ``BLOCK_T`` rows). Beyond
+    that size only the compiled code was compared: 64-token tiles spill less than 32-token ones
+    up to 64 x 256 and 128 x 128, and more beyond, which sets the threshold (the spill counts of
+    each: ``python -m ops.tools.sass``)."""
+    big = tile_size(headdim) * tile_size(dstate) > 64 * 256
+    return min(32 if big else 64, chunk_size)
+
+
+# Blocks wanted per multiprocessor. One block is resident per multiprocessor (its registers and
+# shared memory: ``python -m ops.tools.sass``), and a block walks its heads one after the other,
+# so more, shorter blocks finish the last wave sooner: at the 2.7B training shape fewer heads per
+# block than all 80 run faster, down to about 20
+# (``tests/benchmark/results/bwd_compute_out_configs_h200.csv``, the ``HEADS_PER_BLOCK`` rows;
+# PERF_NOTES.md, "Heads per block"). Each split adds a (b, L, g, n) float32 partial of dB and of
+# dC, so the target stops at ~6 blocks per multiprocessor, and at MAX_SPLITS partials: at 1 x 4K
+# x 80 heads (64 token tiles), 6 blocks per multiprocessor would take 16 splits, whose partials
+# would be a large part of that backward's peak (``ops.backward.memory_accounting`` counts them);
+# the limit of 4 itself is untimed.
+BLOCKS_PER_SM = 6
+MAX_SPLITS = 4
+
+
+def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None):
+    """The largest divisor of a group's heads that gives ``BLOCKS_PER_SM`` blocks per
+    multiprocessor (all the heads of a group, dB and dC written directly, for long sequences;
+    else partials summed on the host) in at most ``MAX_SPLITS`` splits of a group; else the
+    most splits allowed (one head per block when a group has few heads)."""
+    wanted = BLOCKS_PER_SM * multiprocessors(device)
+    per_group = nheads // ngroups
+    allowed = [hb for hb in sorted(group_divisors(nheads, ngroups), reverse=True)
+               if per_group // hb <= MAX_SPLITS] or [1]
+    for hb in allowed:
+        if blocks_per_head_block * ngroups * (per_group // hb) >= wanted:
+            return hb
+    return allowed[-1]
+
+
+def scores_in_memory(dstate):
+    """Whether C B^T is read from memory by default: ``ops/kernels/common.py`` forms it once per
+    chunk and group before the token kernel, and every head of the group reads it, instead of
+    each head forming it again. The rule, from a training step's scan timed off and on side by
+    side (``tests/benchmark/results/bwd_scores_in_memory_h200.csv``; the backward alone in
+    ``bwd_compute_out_variants_h200.csv``; PERF_NOTES.md, "C B^T from memory where dstate's tile
+    is 128"): at dstate 128 on is faster wherever the GPU, not the host, sets the step's time; at
+    dstate 64 it is slower (forming C B^T costs half as much there, and reading it back does not
+    pay); at dstate 256 the backward alone is about the same either way, so it stays off; smaller
+    dstates are untimed and kept off, as at 64. The buffer, (b, chunks, g, CHUNK, CHUNK)
+    float32, lives while the token kernel runs and raises the backward's peak by its size
+    (``ops.backward.memory_accounting`` counts it)."""
+    return tile_size(dstate) == 128
+
+
+def fuse_states(dstate, tokens=None):
+    """Whether the token kernel does ``bwd_chunk_states``' work too by default (FUSE_STATES):
+    yes, except where dstate's tile is 256 from 16K tokens (batch x seqlen; None: a long
+    sequence). There the fused kernel spills (its register count: ``python -m ops.tools.sass``)
+    and the backward alone takes less time unfused; at dstate 128 it takes more
+    (``tests/benchmark/results/bwd_compute_out_variants_h200.csv``; PERF_NOTES.md, "The token
+    kernel does three steps in one block"). Unfusing costs memory: dx in float32 until the end,
+    and ``bwd_chunk_states``' dB partials (``ops.backward.memory_accounting`` counts both).
+    Shorter sequences and dstate 512 are untimed unfused, so they stay fused."""
+    long = tokens is None or tokens >= 16384
+    return not (tile_size(dstate) == 256 and long)
+
+
+def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
+                   **_):
+    """``default_block_t``'s tiles, ``default_heads_per_block`` (seqlen None: a long sequence,
+    all heads of a group per block), the dentry kernel's tiles of the whole (padded) headdim and
+    up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
+    FUSE_STATES (``fuse_states``): ``ops/backward.py`` lets the token kernel do
+    ``bwd_chunk_states``' work too (False: it launches that kernel after this one), except at
+    dstate 256 from 16K tokens. SCORES_IN_MEMORY where dstate's tile is 128
+    (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
+    bt = default_block_t(chunk_size, headdim, dstate)
+    if seqlen is None:
+        hb = nheads // ngroups
+    else:
+        tiles = cdiv(seqlen, chunk_size) * (chunk_size // bt)
+        hb = default_heads_per_block(nheads=nheads, ngroups=ngroups,
+                                     blocks_per_head_block=batch * tiles)
+    return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
+                ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
+                num_worker_warps=WORKER_WARPS,
+                FUSE_STATES=fuse_states(dstate, None if seqlen is None else batch * seqlen),
+                SCORES_IN_MEMORY=scores_in_memory(dstate))
+
+
+def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
+    """Variants worth timing (the default first, at most 11): the other token tile (32 or 64),
+    one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
+    group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
+    multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
+    default (in a kernel of their own, or fused), and C B^T the other way than the default
+    (read from memory or formed per head; alone and with one head per block)."""
+    base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
+                          ngroups=ngroups, **shape)
+    configs = [base]
+    for bt in (64, 32):
+        if bt <= chunk_size and bt != base["BLOCK_T"]:
+            configs.append({**base, "BLOCK_T": bt})
+    per_group = nheads // ngroups
+    for hb in sorted({1, max(1, per_group // 2), per_group} - {base["HEADS_PER_BLOCK"]}):
+        configs.append({**base, "HEADS_PER_BLOCK": hb})
+    configs += [{**base, "num_worker_warps": None},
+                {**base, "num_worker_warps": None, "occupancy": 2}]
+    configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
+                    "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
+    configs.append({**base, "FUSE_STATES": not base["FUSE_STATES"]})
+    # C B^T the other way (from memory, once per group: ops/kernels/common.py; or formed per head),
+    # alone and with more, smaller blocks
+    other = not base["SCORES_IN_MEMORY"]
+    configs += [{**base, "SCORES_IN_MEMORY": other},
+                {**base, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
+    return unique(configs)
+
+
+def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
+    tensors = dict(dy=dy, x=x, B=B, C=C, dt_out=dt_out, dA_cumsum=dA_cumsum,
+                   entry_states=entry_states)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
+    batch, seqlen, nheads, headdim = x.shape
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    for name in ("dy", "B", "C"):
+        if tensors[name].dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {tensors[name].dtype}")
+    if dy.shape != x.shape:
+        raise ValueError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if B.dim() != 4 or B.shape[:2] != (batch, seqlen):
+        raise ValueError(f"B must be (batch, seqlen, ngroups, dstate) = ({batch}, {seqlen}, ., .), "
+                         f"got shape {tuple(B.shape)}")
+    if C.shape != B.shape:
+        raise ValueError(f"C must have B's shape {tuple(B.shape)}, got {tuple(C.shape)}")
+    ngroups, dstate = B.shape[2], B.shape[3]
+    check_sizes(headdim, dstate)
+    check_groups(nheads, ngroups)
+    if dt_out.dim() != 4 or dt_out.shape[:2] != (batch, nheads):
+        raise ValueError(f"dt_out must be (batch, nheads, nchunks, chunk_size) with batch {batch} "
+                         f"and nheads {nheads}, got shape {tuple(dt_out.shape)}")
+    nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
+    if chunk_size < 16 or chunk_size & (chunk_size - 1) or cdiv(seqlen, chunk_size) != nchunks:
+        raise ValueError(f"dt_out's chunks ({nchunks} of {chunk_size}) must be a power of two "
+                         f">= 16 covering seqlen {seqlen} exactly")
+    for name in ("dt_out", "dA_cumsum"):
+        if tensors[name].dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {tensors[name].dtype}")
+    if dA_cumsum.shape != dt_out.shape:
+        raise ValueError(f"dA_cumsum must have dt_out's shape {tuple(dt_out.shape)}, "
+                         f"got {tuple(dA_cumsum.shape)}")
+    if entry_states.shape != (batch, nchunks, nheads, headdim, dstate):
+        raise ValueError(f"entry_states must be (batch, nchunks, nheads, headdim, dstate) = "
+                         f"{(batch, nchunks, nheads, headdim, dstate)}, got "
+                         f"{tuple(entry_states.shape)}")
+    if entry_states.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"entry_states must be float32 or x's dtype {x.dtype}, got "
+                        f"{entry_states.dtype}")
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point():
+            raise TypeError("seq_idx must be an integer torch.Tensor")
+        if seq_idx.shape != (batch, seqlen):
+            raise ValueError(f"seq_idx must be (batch, seqlen) = ({batch}, {seqlen}), got "
+                             f"{tuple(seq_idx.shape)}")
+    for name, t in {**tensors, "seq_idx": seq_idx}.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
+                         poison=False, config=None, launches="both", dS=None, D=None,
+                         dx_dtype=torch.float32):
+    """The launch (an ``ops.runtime.launch.Plan``): its ``before`` holds the dentry kernel's launch
+    (unless ``launches="tokens"``) and, with SCORES_IN_MEMORY, the chunk_scores launch; its
+    outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum,
+    ddA_tiles, dD's partials and dentry. ``config``: a dict from ``search_space`` (or part of
+    one; missing keys take ``default_config``'s values for this shape).
+
+    ``launches="entry"`` gives the dentry kernel's plan alone (outputs (dentry,)), ``"tokens"``
+    the token kernel's alone (outputs all but dentry, none allocated for it): ``ops/backward.py``
+    runs the pass over the states between the two, so that dentry is freed before the token
+    kernel's dx is allocated.
+
+    The token kernel's optional terms (``ops/backward.py`` passes them):
+        dS (b, c, h, p, n), float32 or x's dtype: the chunk states' gradients. The token kernel
+            then adds the gradients through each chunk's own state (``ops/kernels/backward/bwd_chunk_states.py``'s
+            work): dx, dB, ddt_out and ddA_cumsum complete but for ddA_cumsum at each chunk's
+            last token, whose term sum(dv v) per token tile is ddA_tiles (b, h, c, CHUNK /
+            BLOCK_T). Without dS, ddA_tiles is None.
+        D (h,) or (h, p): the skip out = y + D x. dx then includes D dy, and dD's partials are
+            (b, token tiles, h, p) float32, each tile's sum of dy x (sum them over the first two
+            axes, and over p for a 1-D D). Without D, None.
+        dx_dtype: dx's dtype (x's for the operator: complete dx rounded once from float32)."""
+    if launches not in ("both", "entry", "tokens"):
+        raise ValueError(f"launches must be 'both', 'entry' or 'tokens', got {launches!r}")
+    _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx)
+    _check_optional(x, B, dt_out, dS, D, dx_dtype)
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
+    cfg = resolve_config(config, default_config(chunk_size=chunk_size, headdim=headdim,
+                                                dstate=dstate, nheads=nheads, ngroups=ngroups,
+                                                batch=batch, seqlen=seqlen))
+    bt, hb = token_tiling(cfg, chunk_size, nheads, ngroups)
+    bp, bn = cfg["ENTRY_BLOCK_P"], cfg["ENTRY_BLOCK_N"]
+    for name, v, size in (("ENTRY_BLOCK_P", bp, headdim), ("ENTRY_BLOCK_N", bn, dstate)):
+        if v < 16 or v & (v - 1) or v > tile_size(size):
+            raise ValueError(f"{name} ({v}) must be a power of two in [16, {tile_size(size)}]")
+    splits = (nheads // ngroups) // hb
+    device = x.device
+    seq_idx = as_int32(seq_idx)
+    seq_arg = seq_idx if seq_idx is not None else dt_out     # never read without seq_idx
+    bf16 = x.dtype == torch.bfloat16
+    entry_plan = None
+    if launches != "tokens":
+        dentry = new_output(entry_states.shape, torch.float32, device, poison)
+        entry_args = (dy, C, dA_cumsum, seq_arg, dentry, nheads // ngroups, chunk_size, bt, bp,
+                      bn, seq_idx is not None, bf16)
+        entry_plan = Plan((nchunks * nheads * cdiv(headdim, bp) * cdiv(dstate, bn), batch),
+                          fit_index_width(bwd_entry_kernel, entry_args, cfg["INDEX64"]),
+                          entry_args, (dentry,))
+        if launches == "entry":
+            return entry_plan
+    dx = new_output(x.shape, dx_dtype, device, poison)
+    dB_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
+    dC_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
+    ddt = new_output(dt_out.shape, torch.float32, device, poison)
+    ddA = new_output(dt_out.shape, torch.float32, device, poison)
+    tiles = nchunks * (chunk_size // bt)
+    ddA_tiles = dD_parts = None
+    if dS is not None:
+        ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt), torch.float32, device,
+                               poison)
+    if D is not None:
+        dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
+        D = (D[:, None].expand(nheads, headdim) if D.dim() == 1 else D).float().contiguous()
+    scores, before = None, ()
+    if cfg["SCORES_IN_MEMORY"]:
+        # C B^T once per (chunk, group), in the token kernel's tiles
+        scores = new_scores(B, chunk_size, poison)
+        before = (chunk_scores_plan(B, C, scores, bt, bt, min(tile_size(dstate), 128)),)
+    stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
+    args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
+            ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2), stand_in(dD_parts, 4),
+            entry_states if scores is None else scores,      # (never read without scores)
+            nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
+            tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
+            scores is not None)
+    kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
+    grid = (tiles * ngroups * splits, batch)
+    outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
+    if launches == "tokens":
+        return Plan(grid, kernel, args, outputs, before)
+    return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,) + before)
+
+
+def _check_optional(x, B, dt_out, dS, D, dx_dtype):
+    batch, _, nheads, headdim = x.shape
+    if dS is not None:
+        want = (batch, dt_out.shape[2], nheads, headdim, B.shape[3])
+        if not isinstance(dS, torch.Tensor) or tuple(dS.shape) != want:
+            raise ValueError(f"dS must be a (batch, nchunks, nheads, headdim, dstate) = {want} "
+                             f"tensor, got {getattr(dS, 'shape', type(dS).__name__)}")
+        ok = (torch.float32, x.dtype) if x.dtype == torch.bfloat16 else (torch.float32,)
+        if dS.dtype not in ok or not dS.is_contiguous():
+            raise TypeError(f"dS must be contiguous, one of {ok} for {x.dtype} inputs, got "
+                            f"{dS.dtype}")
+    if D is not None and (not isinstance(D, torch.Tensor)
+                          or tuple(D.shape) not in ((nheads,), (nheads, headdim))):
+        raise ValueError(f"D must be a ({nheads},) or ({nheads}, {headdim}) tensor, got "
+                         f"{getattr(D, 'shape', type(D).__name__)}")
+    if dx_dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"dx_dtype must be float32 or x's dtype {x.dtype}, got {dx_dtype}")
+
+
+def bwd_compute_out(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None, poison=False,
+                    config=None):
+    """-> (dx (b, L, h, p), dB and dC (b, L, g, n), summed over each group's heads, ddt_out and
+    ddA_cumsum (b, h, c, l), the latter in natural-log units, dentry (b, c, h, p, n)), all
+    float32, like ``reference.backward.compute_out_backward`` (whose dB and dC are per head: sum
+    them with ``reference.backward._sum_groups``). ``dA_cumsum`` in the kernels' log2 units;
+    ``poison=True`` NaN-fills the outputs first (for tests)."""
+    dx, dB_parts, dC_parts, ddt, ddA, _, _, dentry = run(bwd_compute_out_plan(
+        dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx, poison, config))
+    # The head splits' partials, added in a fixed order (one split: the kernel's own sums).
+    dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
+    dC = dC_parts[0] if dC_parts.shape[0] == 1 else dC_parts.sum(0)
+    return dx, dB, dC, ddt, ddA, dentry

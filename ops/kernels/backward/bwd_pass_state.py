@@ -1,0 +1,227 @@
+"""Backward kernel: the pass over chunks in reverse, the gradient of every chunk's state.
+
+The forward pass over chunks (``ops/kernels/fwd_pass_state.py``) is
+
+    entry[c + 1] = a[c] * entry[c] + S[c]      a[c] = exp2(dA[c, last]), 0 where a new
+                                                sequence starts inside chunk c
+    entry[nchunks] = the final state
+
+so the gradients flow the other way: with g the gradient of entry[c + 1] (that of the final
+state for the last chunk),
+
+    dS[c]     = g
+    d a[c]    = sum(g * entry[c])               -> the gradient of dA[c, last]: d a[c] * a[c]
+    g         <- a[c] * g + dentry[c]           (dentry: what compute_out's backward gives)
+
+and the g left after chunk 0 is the gradient of the initial state. As in the forward, one block
+owns one (batch, head, headdim tile, dstate tile) slice and keeps its float32 tile of g in
+registers while it walks the chunks, here from the last to the first; blocks are independent.
+
+The sum over the state for d a[c] spans the block's tile only: each block writes its partial
+sum, and the host adds the tiles' partials (a fixed order: the result is bitwise reproducible,
+no atomics). ``reference.backward.state_passing_backward`` is the specification.
+
+dS is written float32, or in another dtype (``ds_dtype``): ``ops/backward.py`` asks for bf16 with
+bf16 inputs, whose chunk_states products round dS to bf16 anyway (half the bytes, the same bits
+downstream). Tunables (``default_config`` / ``search_space``): the state tile BLOCK_P x BLOCK_N
+(``common.state_tiles`` by default), LOAD_LAT (latency hint of the dentry and entry
+loads), STORE_LAT (of the dS stores), and the compiler hints occupancy and num_worker_warps.
+
+FUSE_ENTRY=True forms each chunk's dentry tile in the walk itself, from dy and C
+(``common.entry_gradient``, over ENTRY_BLOCK_T-token tiles), as the forward's pass
+forms each chunk's own state from x and B: no dentry buffer ((b, c, h, p, n) float32, alive
+through this walk, whose step is then the backward's peak at chunk 128) and no entry launch, for
+a walk that does a product per chunk. It takes other inputs (dy and C instead of dentry), so the
+kernel's own default and search space keep the walk as first written, reading dentry;
+``ops/backward.py`` runs it with FUSE_ENTRY (``BACKWARD_DEFAULTS``): a training step's scan
+takes less time with it at chunks 64 and 128, little less at 256, and at the host-bound prefill
+shape the rounds differ more than that (``tests/benchmark/results/bwd_fuse_entry_h200.csv``;
+PERF_NOTES.md, "dentry formed in the pass").
+"""
+import torch
+
+import cuda.tile as ct
+
+from ops.tuning.configs import resolve_config, unique, with_hints
+from ops.runtime.launch import Plan, fit_index_width, run
+from ops.kernels.common import (entry_gradient, load_state, state_tiles, ZERO, ConstBool, ConstInt, as_int32, cdiv, is_pow2_in, latency_hint,
+                    multiprocessors, new_output, tile_size, unread_stand_in)
+
+
+def chunk_state_tile(array, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT=0):
+    """Tile (pi, ni) of chunk c of a (batch, nchunks, nheads, headdim, dstate) array as float32
+    (zero-padded); ``common.load_state`` reads the (batch, nheads, ...) ones."""
+    t = ct.load(array, (b, c, h, pi, ni), shape=(1, 1, 1, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (BLOCK_P, BLOCK_N)).astype(ct.float32)
+
+
+@ct.kernel
+def bwd_pass_state_kernel(
+    dentry: ct.IndexedWithInt64,       # (batch, nchunks, nheads, headdim, dstate)
+    dfinal,                            # (batch, nheads, headdim, dstate); unread if not HAS_DFINAL
+    entry: ct.IndexedWithInt64,        # (batch, nchunks, nheads, headdim, dstate), the forward's
+    dA_cumsum: ct.IndexedWithInt64,    # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    seq_idx: ct.IndexedWithInt64,      # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dS: ct.IndexedWithInt64,           # (batch, nchunks, nheads, headdim, dstate), ds_dtype
+    da_parts,                          # (batch, nheads, nchunks, tiles) float32
+    dinitial,                          # (batch, nheads, headdim, dstate) float32
+    dy: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim); read if FUSE_ENTRY
+    C: ct.IndexedWithInt64,            # (batch, seqlen, ngroups, dstate); read if FUSE_ENTRY
+    heads_per_group: int,
+    CHUNK: ConstInt,
+    BLOCK_P: ConstInt,
+    BLOCK_N: ConstInt,
+    ENTRY_BLOCK_T: ConstInt,           # token tile of dentry's product (FUSE_ENTRY)
+    HAS_DFINAL: ConstBool,
+    HAS_SEQ_IDX: ConstBool,
+    FUSE_ENTRY: ConstBool,             # dentry formed here from dy and C (dentry unread)
+    BF16_OPERANDS: ConstBool,          # dentry's product in dy's dtype (bf16), else float32
+    LOAD_LAT: ConstInt,                # latency hint of the dentry and entry loads; 0 = none
+    STORE_LAT: ConstInt,               # latency hint of the dS stores; 0 = none
+):
+    tile_id, h, b = ct.bid(0), ct.bid(1), ct.bid(2)
+    n_ptiles = ct.cdiv(entry.shape[3], BLOCK_P)
+    pi, ni = tile_id % n_ptiles, tile_id // n_ptiles
+    nchunks = dA_cumsum.shape[2]
+    if HAS_DFINAL:
+        g = load_state(dfinal, b, h, pi, ni, BLOCK_P, BLOCK_N, False, 0)
+    else:
+        g = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
+    for i in range(nchunks):
+        c = nchunks - 1 - i                                   # the chunks, last first
+        ct.store(dS, (b, c, h, pi, ni),
+                 ct.reshape(g, (1, 1, 1, BLOCK_P, BLOCK_N)).astype(dS.dtype),
+                 latency=latency_hint(STORE_LAT))
+        dA = ct.reshape(ct.load(dA_cumsum, (b, h, c, 0), shape=(1, 1, 1, CHUNK)), (CHUNK,))
+        a = ct.exp2(ct.extract(dA, (CHUNK - 1,), shape=(1,)).item())
+        if HAS_SEQ_IDX:
+            seqlen = seq_idx.shape[1]
+            seq_end = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
+            seq_start = ct.load(seq_idx, (b, max(c * CHUNK - 1, 0)), shape=())
+            seq_start = ct.where(c == 0, 0, seq_start)       # id 0 before token 0
+            a = ct.where(seq_end == seq_start, a, 0.0)
+        e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
+        ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
+        if FUSE_ENTRY:
+            g = a * g + entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group,
+                                       pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
+                                       HAS_SEQ_IDX, BF16_OPERANDS)
+        else:
+            g = a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
+    ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
+
+
+# Configs and launching -------------------------------------------------------------------------
+
+def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
+    """The kernel as first written: ``state_tiles``' tiles for the entry states' dtype as this
+    kernel gets them (``dtype``, x's, unless ``states_dtype`` says otherwise, as in
+    ``ops.forward``; states of neither x's dtype nor float32 reach it widened to float32, as
+    ``ops.backward`` passes them), no hints."""
+    states = states_dtype or dtype or torch.float32
+    if dtype is not None and states not in (dtype, torch.float32):
+        states = torch.float32
+    bp, bn = state_tiles(headdim, dstate, states)
+    return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
+                num_worker_warps=None, FUSE_ENTRY=False, ENTRY_BLOCK_T=64)
+
+
+def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
+    """Variants worth timing (the default first, at most 14). Like the forward's pass, a block
+    walks every chunk with one float32 state tile in registers, latency-bound on its
+    chunk-by-chunk loads with few blocks: so the tiles (more, smaller blocks; 32-row tiles read
+    the same bytes), the long latency hints on the loads and the stores, and two blocks per
+    multiprocessor for tiles that give more blocks than multiprocessors."""
+    base = default_config(headdim=headdim, dstate=dstate, **shape)
+    tiles = [(base["BLOCK_P"], base["BLOCK_N"])]
+    for bp, bn in ((64, 128), (64, 64), (32, 128), (32, 64)):
+        bp, bn = min(bp, tile_size(headdim)), min(bn, tile_size(dstate))
+        if (bp, bn) not in tiles:
+            tiles.append((bp, bn))
+    configs = [{**base, "BLOCK_P": bp, "BLOCK_N": bn} for bp, bn in tiles]
+    configs += [{**base, "LOAD_LAT": 8}, {**base, "STORE_LAT": 8},
+                {**base, "LOAD_LAT": 8, "STORE_LAT": 8}, {**base, "num_worker_warps": 8}]
+    blocks = lambda bp, bn: batch * nheads * cdiv(headdim, bp) * cdiv(dstate, bn)
+    for bp, bn in tiles[1:]:
+        if blocks(bp, bn) > multiprocessors():
+            configs += [{**base, "BLOCK_P": bp, "BLOCK_N": bn, "occupancy": 2, "LOAD_LAT": lat}
+                        for lat in (0, 8)]
+    return unique(configs)
+
+
+def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=None,
+                        block_n=None, poison=False, config=None, ds_dtype=torch.float32,
+                        dy=None, C=None):
+    """The launch (an ``ops.runtime.launch.Plan``; outputs dS (in ``ds_dtype``), the per-tile partials of
+    d dA[last], dinitial). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
+    ``search_space`` (or part of one; missing keys take ``default_config``'s values);
+    ``block_p`` / ``block_n``, when given, override its tiles. With FUSE_ENTRY the kernel forms
+    dentry itself from ``dy`` (b, L, h, p) and ``C`` (b, L, g, n), contiguous, which it then
+    needs, and ``dentry`` is not read (None will do)."""
+    batch, nchunks, nheads, headdim, dstate = entry.shape
+    chunk_size = dA_cumsum.shape[3]
+    cfg = resolve_config(config, default_config(headdim=headdim, dstate=dstate,
+                                                dtype=entry.dtype))
+    fuse = bool(cfg["FUSE_ENTRY"])
+    _check_entry_inputs(fuse, dentry, dy, C, entry, chunk_size, cfg["ENTRY_BLOCK_T"])
+    bp = min(block_p or cfg["BLOCK_P"], tile_size(headdim))
+    bn = min(block_n or cfg["BLOCK_N"], tile_size(dstate))
+    if not (is_pow2_in(bp, 1, 1024) and is_pow2_in(bn, 1, 1024)):
+        raise ValueError(f"BLOCK_P ({bp}) and BLOCK_N ({bn}) must be powers of two")
+    if ds_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"ds_dtype must be float32, bfloat16 or float16, got {ds_dtype}")
+    tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
+    dS = new_output(entry.shape, ds_dtype, entry.device, poison)
+    da_parts = new_output((batch, nheads, nchunks, tiles), torch.float32, entry.device, poison)
+    dinitial = new_output((batch, nheads, headdim, dstate), torch.float32, entry.device, poison)
+    seq_idx = as_int32(seq_idx)
+    device = entry.device
+    args = (dentry if not fuse else unread_stand_in(device, 5),
+            dfinal if dfinal is not None else dinitial, entry, dA_cumsum,
+            seq_idx if seq_idx is not None else dA_cumsum, dS, da_parts, dinitial,
+            dy if fuse else unread_stand_in(device, 4), C if fuse else unread_stand_in(device, 4),
+            nheads // C.shape[2] if fuse else 1, chunk_size, bp, bn,
+            min(cfg["ENTRY_BLOCK_T"], chunk_size), dfinal is not None, seq_idx is not None, fuse,
+            fuse and dy.dtype == torch.bfloat16, cfg["LOAD_LAT"], cfg["STORE_LAT"])
+    kernel = with_hints(fit_index_width(bwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
+    return Plan((tiles, nheads, batch), kernel, args, (dS, da_parts, dinitial))
+
+
+def _check_entry_inputs(fuse, dentry, dy, C, entry, chunk_size, entry_block_t):
+    batch, nchunks, nheads, headdim, dstate = entry.shape
+    if not fuse:
+        if dentry is None:
+            raise ValueError("dentry is required unless the config has FUSE_ENTRY=True")
+        return
+    if dy is None or C is None:
+        raise ValueError("FUSE_ENTRY=True forms dentry from dy and C: pass both")
+    if dy.dim() != 4 or tuple(dy.shape[::2]) != (batch, nheads) or dy.shape[3] != headdim:
+        raise ValueError(f"dy must be (batch, seqlen, nheads, headdim) with batch {batch}, "
+                         f"nheads {nheads}, headdim {headdim}; got {tuple(dy.shape)}")
+    if (C.dim() != 4 or C.shape[:2] != dy.shape[:2] or C.shape[3] != dstate
+            or nheads % C.shape[2]):
+        raise ValueError(f"C must be (batch, seqlen, ngroups, dstate) like dy's tokens, with "
+                         f"ngroups dividing nheads {nheads} and dstate {dstate}; got "
+                         f"{tuple(C.shape)}")
+    if -(-dy.shape[1] // chunk_size) != nchunks:
+        raise ValueError(f"dy's {dy.shape[1]} tokens make {-(-dy.shape[1] // chunk_size)} "
+                         f"chunks of {chunk_size}, the entry states {nchunks}")
+    if not (dy.is_contiguous() and C.is_contiguous()):
+        raise ValueError("dy and C must be contiguous")
+    if not is_pow2_in(entry_block_t, 16, 256):
+        raise ValueError(f"ENTRY_BLOCK_T must be a power of two in [16, 256], got "
+                         f"{entry_block_t}")
+
+
+def bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx=None, poison=False, config=None,
+                   ds_dtype=torch.float32, dy=None, C=None):
+    """-> (dS (b, c, h, p, n) in ``ds_dtype`` (float32 by default), d dA_cumsum at each chunk's
+    last token (b, h, c) float32, in natural-log units like
+    ``reference.backward.state_passing_backward``'s, dinitial (b, h, p, n) float32).
+    ``dA_cumsum`` in the kernels' log2 units. ``dy`` and ``C``: for FUSE_ENTRY (see
+    ``bwd_pass_state_plan``)."""
+    dS, da_parts, dinitial = run(bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx,
+                                                     poison=poison, config=config,
+                                                     ds_dtype=ds_dtype, dy=dy, C=C))
+    return dS, da_parts.sum(-1), dinitial

@@ -1,0 +1,117 @@
+"""The README's results table (``tests/benchmark/readme_table.py``): current, right, and loud.
+
+On a CPU: the block in README.md equals what the committed CSVs give now (it fails when either the
+README or a CSV changes without the other: ``python -m tests.benchmark.readme_table`` rewrites
+it); the table builder on rows made by hand, with the expected cells worked out here by hand; and
+a missing row raises, naming the CSV and the row.
+"""
+import pytest
+
+from tests.benchmark import readme_table as rt
+
+# One model, so the hand-made rows stay small; its sizes are what the rows must carry.
+MODEL = {"toy": dict(batch=2, seqlen=4096, nheads=8, headdim=64, ngroups=2, dstate=128)}
+SIZES = MODEL["toy"]
+
+
+def forward_rows():
+    # ours 0.5 ms, Triton 1.0 ms, TileGym 0.75 ms: Triton/ours = 2.00, TileGym/ours = 1.50.
+    common = dict(model="toy", status="ok", device="Test GPU", **SIZES)
+    return [
+        dict(common, impl="cutile", chunk=256, compute_chunk=128, ms=0.5, rel_err=4e-4),
+        dict(common, impl="triton", chunk=256, compute_chunk=256, ms=1.0, rel_err=None),
+        dict(common, impl="tilegym", chunk=64, compute_chunk=64, ms=0.75, rel_err=2e-3),
+        # another chunk of ours, which the table must not pick up (it reads the caller's 256)
+        dict(common, impl="cutile", chunk=128, compute_chunk=128, ms=0.1, rel_err=4e-4),
+    ]
+
+
+def training_rows():
+    # ours 2.0 ms, Triton 3.0 ms, TileGym 1.0 ms: Triton/ours = 1.50, TileGym/ours = 0.50.
+    common = dict(shape="toy", device="Test GPU", **SIZES)
+    return [
+        dict(common, impl="cutile", chunk=256, fwd_chunk=128, bwd_chunk=128, fwd_bwd_ms=2.0,
+             peak_mib=600.4, grad_diff_x="0.001", grad_diff_dt="0.002"),
+        dict(common, impl="triton", chunk=256, fwd_chunk=256, bwd_chunk=256, fwd_bwd_ms=3.0,
+             peak_mib=500.0, grad_diff_x="0.0", grad_diff_dt="0.0"),
+        dict(common, impl="tilegym", chunk=64, fwd_chunk=64, bwd_chunk=64, fwd_bwd_ms=1.0,
+             peak_mib=1000.6, grad_diff_x="0.0005", grad_diff_dt="nan"),
+    ]
+
+
+def test_readme_block_is_what_the_csvs_give():
+    _, block, _ = rt.split_readme(rt.README.read_text())
+    assert block == rt.block_from_csvs(), (
+        "README.md's results table differs from the committed CSVs: "
+        "run python -m tests.benchmark.readme_table")
+
+
+def test_forward_table_by_hand():
+    lines, _ = rt.forward_table(forward_rows(), "fwd.csv", MODEL)
+    assert lines[0].startswith("| forward, ms | batch × tokens, heads | ours | Triton | TileGym |")
+    assert lines[2] == "| `toy` | 2 × 4K, 8 heads, 2 groups | 0.500 | 1.000 | 0.750 | 2.00× | 1.50× |"
+    assert len(lines) == 3
+
+
+def test_training_table_by_hand():
+    lines, _, names = rt.training_table([("step.csv", training_rows())], MODEL)
+    assert names == ["step.csv"]
+    assert lines[0].endswith("| peak MiB: ours / Triton / TileGym |")
+    assert lines[2] == "| `toy` | 2.00 | 3.00 | 1.00 | 1.50× | 0.50× | 600 / 500 / 1001 |"
+
+
+def test_block_notes_by_hand():
+    block = rt.build_block(forward_rows(), [("step.csv", training_rows())],
+                           forward_source="fwd.csv", models=MODEL)
+    text = " ".join(block.split())        # the notes are wrapped; compare them unwrapped
+    assert "[`fwd.csv`](tests/benchmark/results/fwd.csv), on the Test GPU" in text
+    assert "headdim 64, dstate 128" in text
+    assert "Chunks: ours called at 256, computing at 128; Triton called at 256; TileGym called at 64." in text
+    assert "Outputs within 4.0e-4 (ours), 2.0e-3 (TileGym) of Triton's." in text
+    assert "Chunks as above." in text
+    assert "Gradients within 2.0e-3 of Triton's." in text      # the largest of ours' gradients
+    assert block.endswith("\n") and not block.startswith("\n")
+
+
+def test_training_rows_come_from_the_first_csv_that_has_the_model():
+    other = [dict(r, fwd_bwd_ms=r["fwd_bwd_ms"] * 10) for r in training_rows()]
+    lines, used, names = rt.training_table([("empty.csv", []), ("step.csv", training_rows()),
+                                            ("later.csv", other)], MODEL)
+    assert names == ["step.csv"]
+    assert lines[2].startswith("| `toy` | 2.00 | 3.00 | 1.00 |")
+
+
+def test_a_missing_row_raises_naming_the_csv_and_the_row():
+    rows = [r for r in forward_rows() if r["impl"] != "tilegym"]
+    with pytest.raises(rt.MissingRow, match=r"fwd\.csv: no row with model=toy, impl=tilegym, chunk=64"):
+        rt.forward_table(rows, "fwd.csv", MODEL)
+    rows = [r for r in training_rows() if r["impl"] != "triton"]
+    with pytest.raises(rt.MissingRow, match=r"step\.csv: no row with shape=toy, impl=triton, chunk=256"):
+        rt.training_table([("step.csv", rows)], MODEL)
+    with pytest.raises(rt.MissingRow, match=r"a\.csv, b\.csv: no row with shape=toy"):
+        rt.training_table([("a.csv", []), ("b.csv", [])], MODEL)
+
+
+def test_a_row_without_a_time_or_of_other_sizes_raises():
+    rows = forward_rows()
+    rows[1] = dict(rows[1], status="crashed (illegal memory access)", ms=None)
+    with pytest.raises(rt.MissingRow, match=r"fwd\.csv: the row with model=toy, impl=triton.*no time"):
+        rt.forward_table(rows, "fwd.csv", MODEL)
+    rows = forward_rows()
+    rows[0] = dict(rows[0], nheads=16)
+    with pytest.raises(rt.MissingRow, match="has sizes"):
+        rt.forward_table(rows, "fwd.csv", MODEL)
+    rows = forward_rows() + [forward_rows()[2]]
+    with pytest.raises(rt.MissingRow, match="2 rows with model=toy, impl=tilegym"):
+        rt.forward_table(rows, "fwd.csv", MODEL)
+
+
+def test_check_mode_reports_drift(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    before, block, after = rt.split_readme(rt.README.read_text())
+    readme.write_text(before + block.replace("×", "x", 1) + after)
+    assert rt.main(["--check", "--readme", str(readme)]) == 1
+    assert "-" in capsys.readouterr().out
+    assert rt.main(["--readme", str(readme)]) == 0            # rewrites it
+    assert rt.main(["--check", "--readme", str(readme)]) == 0
+    assert readme.read_text() == before + rt.block_from_csvs() + after

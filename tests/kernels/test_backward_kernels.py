@@ -1,0 +1,484 @@
+"""The backward pass through the backward kernels (ops/backward.py), as autograd reaches it:
+``loss.backward()`` through ``mamba_chunk_scan_combined`` with backend="interpret" (CPU) or
+"cutile" (``gpu`` marker).
+
+Expected gradients come from autograd through the float64 token-by-token recurrence
+(``reference.sequential.ssd_sequential``), never from the code under test. Every test spies on the
+launches (``ops.runtime.launch.launch``) and disables the PyTorch backward (``ssd_chunked_backward``
+raises), so a gradient can only come from the kernels; outputs are NaN-poisoned first
+(``ops.forward.POISON_OUTPUTS``), so an element a kernel misses fails.
+
+The loss weights the output with fixed random weights and adds the final state's square sum, so
+both output gradients (dout, dfinal) are non-zero.
+
+Tolerances, relative in norm:
+  float32 inputs   float32 kernels (forward recompute and backward) against float64: observed
+                   <= 2.5e-6 (dA and ddt_bias, sums over every token; ~3e-7 elsewhere); bound
+                   2e-5, float32's tolerance of the forward (tests/api/test_api.py).
+  bfloat16 inputs  x, B, C, z in bf16 (dt, A, D, dt_bias, initial states float32), against float64
+                   autograd at the same (bf16-valued) inputs: the forward and backward products
+                   take bf16 operands (8 significant bits), the entry states are stored in bf16,
+                   dy is rounded to bf16 for the kernels, and the gradients of bf16 inputs are
+                   returned in bf16; observed <= 4e-3; bound 1e-2, the forward's bf16 bound.
+  bf16 states      float32 inputs, entry states stored in bf16 (state_dtype): the forward's own
+                   rounding of the states, seen by dC and dz: observed 3e-4; bound 1e-3.
+"""
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree
+import torch.utils._python_dispatch
+
+import ops.forward
+import ops.runtime.launch
+import reference.backward
+from ops import mamba_chunk_scan_combined
+from ops.runtime.cutile_internals import kernel_function
+from reference.problems import make_problem
+from reference.sequential import ssd_sequential
+from reference.validate import rel_err
+
+LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+# dt_limit clamps ~10% of the processed steps from below and ~9% from above at these inputs.
+OPTIONS = dict(dt_softplus=True, dt_limit=(0.2, 0.9))
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+# bwd_chunk_states' work is fused into bwd_compute_out's token kernel by default (FUSE_STATES),
+# and dentry's into the pass over the states (FUSE_ENTRY, ops.backward.BACKWARD_DEFAULTS)
+BACKWARD_KERNELS = {"bwd_compute_out_kernel", "bwd_pass_state_kernel", "bwd_chunk_cumsum_kernel"}
+FORWARD_KERNELS = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The names of the kernels launched during a test; the PyTorch backward disabled; every
+    kernel output NaN-filled before it is written."""
+    names = []
+    real = ops.runtime.launch.launch
+
+    def spy(grid, kernel, args, stream=None):
+        names.append(kernel_function(kernel).__name__)
+        return real(grid, kernel, args, stream)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the PyTorch backward ran instead of the kernels")
+
+    monkeypatch.setattr(ops.runtime.launch, "launch", spy)
+    monkeypatch.setattr(reference.backward, "ssd_chunked_backward", refuse)
+    monkeypatch.setattr(ops.forward, "POISON_OUTPUTS", True)
+    return names
+
+
+def problem(dtype=torch.float32, batch=2, seqlen=80, D="2d", seq=None, device="cpu", **kw):
+    return make_problem(**{**dict(batch=batch, seqlen=seqlen, nheads=4, headdim=16, ngroups=2,
+                                  dstate=16, D=D, seed=1, seq_boundaries=seq), **kw},
+                        dtype=dtype, device=device)
+
+
+def weights(kw):
+    return torch.randn(kw["x"].shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(3)).to(kw["x"].device)
+
+
+def gradients(fn, kw, leaves=LEAVES, loss="both"):
+    """Gradients of a loss of (out, final_states) for the inputs named in ``leaves``: "both"
+    weights out with fixed random weights and adds final's square sum; "sum" is out.sum() (its
+    gradient an expanded tensor of ones); "final" reads only the final state (out unused)."""
+    inputs = {k: (v.detach().clone().requires_grad_(k in leaves) if v.is_floating_point() else v)
+              for k, v in kw.items()}
+    out, final = fn(inputs)
+    value = {"both": (out * weights(kw).to(out.dtype)).sum() + final.square().sum(),
+             "sum": out.sum(), "final": final.square().sum()}[loss]
+    value.backward()
+    return {k: inputs[k].grad for k in leaves}
+
+
+def kernels(backend="interpret", **extra):
+    return lambda i: mamba_chunk_scan_combined(**i, chunk_size=32, **OPTIONS, **extra,
+                                               return_final_states=True, backend=backend)
+
+
+def recurrence(i):
+    return ssd_sequential(**i, **OPTIONS, return_final_states=True)
+
+
+def float64(kw):
+    return {k: (v.double() if v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def assert_close(ours, expected, inputs, tol):
+    for name, g in ours.items():
+        assert g is not None and g.dtype == inputs[name].dtype, name
+        if expected[name] is None:           # the loss does not reach it (D, z without out)
+            assert not g.any(), name
+        else:
+            assert rel_err(g, expected[name]) < tol, (name, rel_err(g, expected[name]))
+
+
+# float32 ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("D, seq", [("1d", None), ("2d", [20, 64])],
+                         ids=["D-1d", "D-2d-packed-at-and-inside-chunks"])
+def test_every_gradient_equals_the_recurrences(launched, D, seq):
+    kw = problem(D=D, seq=seq)
+    ours = gradients(kernels(), kw)
+    assert BACKWARD_KERNELS <= set(launched)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, TOL[torch.float32])
+    # Where the clamp bound the processed step, dt and dt_bias get nothing through it (a margin
+    # keeps float32's and float64's rounding on one side of the bound).
+    soft = F.softplus(kw["dt"].double() + kw["dt_bias"].double())
+    lo, hi = OPTIONS["dt_limit"]
+    clamped = (soft < lo - 1e-4) | (soft > hi + 1e-4)
+    assert clamped.float().mean() > 0.1
+    inside = (soft > lo + 1e-4) & (soft < hi - 1e-4)
+    assert (ours["dt"][clamped] == 0).all() and (ours["dt"][inside] != 0).all()
+
+
+def test_bitwise_reproducible(launched):
+    kw = problem(seq=[20, 64])
+    first = gradients(kernels(), kw)
+    second = gradients(kernels(), kw)
+    for name in LEAVES:
+        assert torch.equal(first[name], second[name]), name
+
+
+def test_cu_seqlens_gives_seq_idx_gradients(launched):
+    """cu_seqlens alone (the backward derives seq_idx from it, as the forward does) gives the
+    gradients of the same packing given as seq_idx, bitwise, and the recurrence's."""
+    kw = problem(batch=1, seq=[20, 64])
+    seq_idx = kw.pop("seq_idx")
+    with_ids = gradients(kernels(seq_idx=seq_idx), kw)
+    bounds = torch.tensor([0, 20, 64, 80], dtype=torch.int32)
+    with_bounds = gradients(kernels(cu_seqlens=bounds), kw)
+    for name in LEAVES:
+        assert torch.equal(with_ids[name], with_bounds[name]), name
+    expected = gradients(lambda i: recurrence({**i, "seq_idx": seq_idx}), float64(kw))
+    assert_close(with_bounds, expected, kw, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("loss", ["sum", "final"], ids=["expanded-dout", "out-unused"])
+def test_either_output_alone(launched, loss):
+    """out.sum() (autograd passes an expanded tensor of ones as dout) and a loss of the final
+    state alone (dout materialised as zeros; D and z get zero gradients, where autograd through
+    the recurrence gives none)."""
+    kw = problem(seq=[20, 64])
+    ours = gradients(kernels(), kw, loss=loss)
+    expected = gradients(recurrence, float64(kw), loss=loss)
+    assert_close(ours, expected, kw, TOL[torch.float32])
+
+
+def test_only_the_wanted_gradients_are_computed(launched):
+    """D and z alone: their gradients, and no backward kernel; D alone needs no kernel at all
+    beyond the forward's own launches (dD reads dout, z and x only)."""
+    kw = problem(seq=[20, 64])
+    ours = gradients(kernels(), kw, leaves=("D", "z"))
+    assert not BACKWARD_KERNELS & set(launched)
+    expected = gradients(recurrence, float64(kw), leaves=("D", "z"))
+    assert_close(ours, expected, kw, TOL[torch.float32])
+    D = kw["D"].clone().requires_grad_(True)
+    out, final = kernels()({**kw, "D": D})
+    forward_launches = len(launched)
+    ((out * weights(kw)).sum() + final.square().sum()).backward()
+    assert len(launched) == forward_launches
+    assert rel_err(D.grad, expected["D"]) < TOL[torch.float32]
+
+
+# bfloat16 -----------------------------------------------------------------------------------------
+
+def test_bfloat16_inputs(launched):
+    kw = problem(torch.bfloat16, seq=[20, 64])
+    ours = gradients(kernels(), kw)
+    assert BACKWARD_KERNELS <= set(launched)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, TOL[torch.bfloat16])
+
+
+def test_bfloat16_entry_states_of_float32_inputs(launched):
+    """The stored states (bf16) are widened exactly to float32 for the backward kernels, which
+    take float32 states with float32 inputs."""
+    kw = problem(seq=[20, 64])
+    ours = gradients(kernels(state_dtype=torch.bfloat16), kw)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, 1e-3)
+
+
+# GPU ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_gpu(launched, dtype):
+    """The same through the compiled kernels: batch 2 x 512 tokens (three packed sequences,
+    one boundary inside a chunk), 8 heads of 64 x 64, chunk 256 (Mamba-2's own), against
+    autograd through the float64 recurrence on the GPU. Bounds twice the CPU ones' margin
+    (float32 1e-4, bf16 2e-2): the sums run over 256-token chunks and 64-wide states, eight
+    times the CPU shapes' chunk."""
+    kw = problem(dtype, batch=2, seqlen=512, nheads=8, headdim=64, dstate=64, seq=[100, 256],
+                 device="cuda")
+    fn = lambda i: mamba_chunk_scan_combined(**i, chunk_size=256, **OPTIONS,
+                                             return_final_states=True, backend="cutile")
+    ours = gradients(fn, kw)
+    assert BACKWARD_KERNELS <= set(launched)
+    expected = gradients(recurrence, float64(kw))
+    assert_close(ours, expected, kw, 1e-4 if dtype == torch.float32 else 2e-2)
+    again = gradients(fn, kw)
+    for name in LEAVES:
+        assert torch.equal(ours[name], again[name]), name
+
+
+# Configs by kernel name ---------------------------------------------------------------------------
+
+def test_backward_kernels_take_configs_by_name(launched):
+    """``kernel_backward``'s configs reach each backward kernel: other tiles, head splits and
+    hints than the defaults, the chunk states' gradients in their own kernel
+    (``FUSE_STATES=False``: bwd_chunk_states then runs) and C B^T from memory
+    (``SCORES_IN_MEMORY``: chunk_scores runs first), give the default's gradients (float32:
+    other tile and head splits sum dB, d dA[last], dA and ddt_bias in another order, a few ulps:
+    1e-5). An unknown kernel's name is refused."""
+    from ops.backward import kernel_backward
+    kw = problem(seq=[20, 64])
+    dout = weights(kw).float()
+    args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
+    opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
+                seq_idx=kw["seq_idx"], **OPTIONS)
+    want = kernel_backward(*args, **opts)
+    assert "bwd_chunk_states_kernel" not in launched
+    configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, FUSE_STATES=False,
+                                       SCORES_IN_MEMORY=True),
+               "bwd_pass_state": dict(BLOCK_P=16, BLOCK_N=16, LOAD_LAT=8),
+               "bwd_chunk_states": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, LOAD_LAT=8),
+               "bwd_chunk_cumsum": dict(BLOCK_H=2, STORE_LAT=8)}
+    got = kernel_backward(*args, **opts, configs=configs)
+    assert {"bwd_chunk_states_kernel", "chunk_scores_kernel"} <= set(launched)
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-5, name
+    with pytest.raises(ValueError, match="unknown config keys"):
+        kernel_backward(*args, **opts, configs={"bwd_chunk_states": dict(BLOCK_M=16)})
+    with pytest.raises(ValueError, match="unknown kernels"):
+        kernel_backward(*args, **opts, configs={"bwd_chunk_state": {}})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_pass_forming_dentry_itself_gives_the_same_gradients(launched, dtype):
+    """The pass' FUSE_ENTRY (dentry formed in the walk, no entry launch: the default) against
+    compute_out's entry launch then the walk reading its dentry (FUSE_ENTRY=False): the same
+    products over the same token tiles, so the same gradients up to the float32 sums' order
+    inside a product (1e-6), with packed sequences, initial states, z and a ragged end, at the
+    default token tile and at 16. A config given for the pass without FUSE_ENTRY keeps it."""
+    from ops.backward import kernel_backward
+    kw = problem(dtype, seq=[20, 64], seqlen=77)
+    dout = weights(kw).to(dtype)
+    args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
+    opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
+                seq_idx=kw["seq_idx"], **OPTIONS)
+    want = kernel_backward(*args, **opts, configs={"bwd_pass_state": dict(FUSE_ENTRY=False)})
+    assert "bwd_entry_kernel" in launched
+    for config in (None, dict(ENTRY_BLOCK_T=16)):
+        launched.clear()
+        got = kernel_backward(*args, **opts, configs={"bwd_pass_state": config})
+        assert "bwd_entry_kernel" not in launched and "bwd_pass_state_kernel" in launched
+        assert set(got) == set(want)
+        for name in want:
+            assert rel_err(got[name], want[name]) < 1e-6, name
+
+
+# Memory ---------------------------------------------------------------------------------------
+
+class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """The bytes of the storages created (by any op) while it is active and still referenced by
+    a tensor, and their largest total: the host-visible allocations, as a GPU's caching
+    allocator sees them (the interpreter's own tile temporaries, made while ``paused``, are left
+    out: a GPU kernel allocates nothing). Storages of the op's own inputs (views, in-place ops
+    of tensors made before) are not new."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.current, self.peak, self.paused, self.at_peak = {}, 0, 0, False, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            leaves = lambda v: [t for t in torch.utils._pytree.tree_leaves(v)
+                                if isinstance(t, torch.Tensor)]
+            inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs))}
+            for t in leaves(out):
+                self._track(t, inputs)
+        return out
+
+    @classmethod
+    def around_launches(cls, monkeypatch):
+        """A tracker paused during every ``ops.runtime.launch.launch`` (the interpreter's temporaries).
+        A replayed eager call (``ops.runtime.replay``) launches through the interpreter directly and is
+        not paused: count calls that need a gradient (never replayed) or the backward alone."""
+        tracker, real = cls(), ops.runtime.launch.launch
+
+        def paused(*args, **kwargs):
+            tracker.paused = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                tracker.paused = False
+
+        monkeypatch.setattr(ops.runtime.launch, "launch", paused)
+        return tracker
+
+    def _track(self, t, inputs):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or (key in inputs and key not in self.live):
+            return
+        if key not in self.live:
+            self.live[key] = [storage.nbytes(), 0, tuple(t.shape), t.dtype]
+            self.current += storage.nbytes()
+            if self.current > self.peak:
+                self.peak = self.current
+                self.at_peak = {k: (v[2], v[3], v[0]) for k, v in self.live.items()}
+        self.live[key][1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key):
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[key]
+
+
+UNFUSED = {"bwd_compute_out": dict(FUSE_STATES=False)}
+ENTRY_LAUNCH = {"bwd_pass_state": dict(FUSE_ENTRY=False)}
+
+
+@pytest.mark.parametrize("z, initial_states, dstate, ngroups, chunk, configs", [
+    (False, False, 32, 2, 64, None), (False, True, 32, 2, 64, None), (True, False, 32, 2, 64, None),
+    (True, True, 32, 2, 64, None), (False, False, 128, 8, 64, None),
+    (False, False, 32, 2, 64, UNFUSED), (True, True, 32, 2, 64, UNFUSED),
+    (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, ENTRY_LAUNCH),
+    (False, False, 64, 1, 16, None), (True, True, 32, 2, 64, ENTRY_LAUNCH)],
+    ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
+         "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-entry-launch-pass-peak",
+         "chunk16-entry-in-pass", "z-initial-entry-launch"])
+def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
+                                            chunk, configs):
+    """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,
+    D, dt_bias) never exceed ``ops.backward.memory_accounting``'s peak, which they reach within 10%
+    (the accounting is not loose). The gate's slices are made small so that the full-size
+    tensors, not the slices' temporaries, are what is measured: with slices of a whole batch
+    element this CPU count is not exact (storages freed and made again at one address), and the
+    GPU test below measures the allocator itself. At dstate 128 the token kernel reads C B^T
+    from memory, and with one head per group (no head splits to sum) its step is the peak, of
+    which the C B^T buffer is 16%. ``FUSE_STATES=False``: the token kernel's float32 dx, then
+    bwd_chunk_states' launch (with one group of eight heads its dB partials make its step the
+    peak), counted as the accounting does for that config. At 16-token chunks the states
+    outweigh the tokens: with compute_out's entry launch (``FUSE_ENTRY=False``) the pass over
+    them is the peak, with dentry; with the pass forming dentry itself (the default) there is
+    no dentry, and the token kernel's step is the peak."""
+    import ops.backward as bwd
+    monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
+    shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=ngroups, dstate=dstate,
+                 chunk_size=chunk)
+    kw = make_problem(**{k: v for k, v in shape.items() if k != "chunk_size"}, D="1d", z=z,
+                      initial_states=initial_states, seed=1, dtype=torch.bfloat16)
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tracker = LiveTensors.around_launches(monkeypatch)
+    gc.collect()       # earlier tests' garbage, collected mid-count, would free reused addresses
+    with tracker:
+        grads = bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"],
+                                    chunk, D=kw["D"], z=kw.get("z"), dt_bias=kw["dt_bias"],
+                                    initial_states=kw.get("initial_states"),
+                                    input_dtypes=True, configs=configs, **OPTIONS)
+    assert grads["dx"].dtype == torch.bfloat16 and grads["dB"].shape == kw["B"].shape
+    step, bound = bwd.memory_accounting(**shape, dtype=torch.bfloat16, z=z,
+                                        initial_states=initial_states, configs=configs)["peak"]
+    described = sorted(tracker.at_peak.values(), key=lambda v: -v[2])
+    assert tracker.peak <= bound, (tracker.peak, bound, step, described)
+    assert tracker.peak >= 0.9 * bound, (tracker.peak, bound, step, described)
+
+
+def trainable(kw):
+    """A problem's tensors as a training step's leaves: the float ones detached, requiring
+    gradients where the op gives one (not seq_idx)."""
+    return {k: (v.detach().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+                if v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeypatch,
+                                                                         collector_off):
+    """A whole step through autograd, as training runs it, on its second call (the forward's
+    plans then re-used, ``ops.runtime.launch.PlanTemplate.bind``): the tensors alive at once are the
+    backward's own peak, measured alone on the same inputs, plus the forward's output, and
+    nothing more (the backward recomputes the forward's intermediates instead of keeping them);
+    and that stays under ``memory_accounting``'s peak plus the output. With the garbage collector
+    off, so that a reference cycle holding the forward's entry and final states (as ``bind`` once
+    made) counts where a GPU's step would feel it, through the backward's peak."""
+    import ops.backward as bwd
+    monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
+    shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=2, dstate=32)
+    kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
+                      dtype=torch.bfloat16)
+    leaves = trainable(kw)
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=64, backend="interpret", **OPTIONS)
+        out.backward(dout)
+
+    def backward_alone():
+        return bwd.kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 64,
+                                   D=kw["D"], dt_bias=kw["dt_bias"], input_dtypes=True, **OPTIONS)
+
+    step()                                             # plans built: the next step re-uses them
+    backward_alone()
+    alone, whole = (LiveTensors.around_launches(monkeypatch) for _ in range(2))
+    with collector_off():
+        with alone:
+            backward_alone()
+        with whole:
+            step()
+    out_bytes = kw["x"].numel() * kw["x"].element_size()
+    described = sorted(whole.at_peak.values(), key=lambda v: -v[2])
+    assert whole.peak <= alone.peak + out_bytes, (whole.peak, alone.peak + out_bytes, described)
+    _, bound = bwd.memory_accounting(**shape, chunk_size=64, dtype=torch.bfloat16)["peak"]
+    assert 0.9 * (out_bytes + bound) <= whole.peak <= out_bytes + bound
+
+
+@pytest.mark.gpu
+def test_peak_memory_on_gpu():
+    """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16
+    heads of 64 x 128, 1 group, bf16, a caller's chunk 256 (computed at 128 on an H200:
+    ``ops/tuning/compute_chunk.py``), D, dt_bias, softplus: the memory allocated beyond the inputs and
+    dout stays under the forward's output and its gradients (out, the gradients of x, B, C, dt
+    in bf16) plus ``ops.backward.memory_accounting``'s peak at the chunk computed, plus 8 MiB
+    for the allocator's rounding and the small tensors (before: dB per head, dx's float32
+    partials, dy in float32: ~4x that)."""
+    shape = dict(batch=2, seqlen=2048, nheads=16, headdim=64, ngroups=1, dstate=128)
+    kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
+                      dtype=torch.bfloat16, device="cuda")
+    leaves = trainable(kw)
+    dout = torch.randn_like(kw["x"])
+
+    def step():
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=256, dt_softplus=True,
+                                        backend="cutile")
+        out.backward(dout)
+
+    step()                                           # compile and tune outside the measurement
+    for t in leaves.values():
+        t.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    from ops.backward import memory_accounting
+    from ops.tuning.compute_chunk import kernel_chunk
+    chunk = kernel_chunk(256, kw["x"], kw["B"])      # 128 on an H200 (ops/tuning/compute_chunk.py)
+    _, backward = memory_accounting(**shape, chunk_size=chunk, dtype=torch.bfloat16)["peak"]
+    outputs = 2 * kw["x"].numel() * 2 + 2 * kw["B"].numel() * 2 + kw["dt"].numel() * 2
+    bound = backward + outputs + 8 * 2**20
+    assert peak <= bound, (peak / 2**20, bound / 2**20)

@@ -1,0 +1,316 @@
+"""ops/kernels/backward/bwd_compute_out.py (the gradients of compute_out) against its specification,
+``reference.backward.compute_out_backward`` in float64, every config of its search space against
+the default, reproducibility, the input checks, and its ahead-of-time compilation.
+
+The kernels take dA_cumsum in log2 units (as the forward kernels store it) and return ddA_cumsum
+in natural-log units, like the reference. The reference's dB and dC are per head; they are
+summed over each group's heads (``_sum_groups``) to compare with the kernel's (b, L, g, n).
+Every output is NaN-poisoned first, so an element the kernels miss fails.
+
+Tolerances, relative in norm:
+  float32 inputs   float32 operands and accumulation: a few ulps per operation, summed over a
+                   chunk's tokens and the dstate / headdim terms: observed <= 1e-6; bound 1e-5.
+  float16 inputs   the same (the products with computed operands take float32 ones; C B^T and
+                   dy x^T take the float16 inputs exactly): bound 1e-5, with dy scaled by 1e3
+                   as under loss scaling.
+  bfloat16 inputs  G, dC B^T, w dy and the entry state are rounded to bf16 (8 significant bits)
+                   as tensor-core operands: dx, dB, dC and dentry observed ~2e-3, bound 1e-2.
+                   ddt and ddA come from the exact-operand products C B^T and dy x^T (and, for
+                   ddA, dy times the entry state, exact when that is bf16 itself): bound 1e-5;
+                   with float32 entry states ddA takes the bf16-rounded state: 1e-2.
+Variants against the default (every config of ``search_space`` at one small shape): float32
+1e-5 (other tile boundaries sum in another order), bfloat16 4e-3 (as in tests/kernels/helpers.py:
+a last-bit difference before a bf16 rounding can move an operand by one step, rarely).
+"""
+import pytest
+import torch
+
+from ops.kernels.backward import bwd_compute_out as mod
+from ops.kernels.backward.bwd_compute_out import bwd_compute_out, bwd_compute_out_plan
+from reference import chunked
+from reference.backward import _sum_groups, compute_out_backward
+from reference.common import LOG2E
+from reference.problems import make_problem
+from reference.validate import rel_err
+
+from .helpers import DEVICES, space_cases
+
+NAMES = ("dx", "dB", "dC", "ddt_out", "ddA_cumsum", "dentry")
+
+
+def problem(dtype, seqlen=77, chunk=32, headdim=16, dstate=32, nheads=4, ngroups=2,
+            seq=(20, 32), entry_dtype=None, dy_scale=1.0, seed=3):
+    """Inputs as the kernels take them (dt_out, dA_cumsum float32, log2; entry states rounded to
+    ``entry_dtype``, x's by default) and the reference's gradients in float64 from those same
+    values."""
+    kw = make_problem(batch=2, seqlen=seqlen, nheads=nheads, headdim=headdim, ngroups=ngroups,
+                      dstate=dstate, dtype=dtype, seed=seed,
+                      seq_boundaries=list(seq) if seq else None)
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"].double(), kw["A"].double(), chunk,
+                                      kw["dt_bias"].double(), True, (0.0, 1.5))
+    dt_out, dA = dt_out.float(), dA.float()
+    entry, _ = chunked.fwd_pass_state(kw["x"].double(), kw["B"].double(), dt_out.double(),
+                                      dA.double(), kw["initial_states"].double(), kw.get("seq_idx"))
+    entry = entry.to(entry_dtype or dtype)
+    g = torch.Generator().manual_seed(seed + 1)
+    dy = (torch.randn(kw["x"].shape, generator=g) * dy_scale).to(dtype)
+    inputs = dict(dy=dy, x=kw["x"], B=kw["B"], C=kw["C"], dt_out=dt_out,
+                  dA_cumsum=(dA.double() * LOG2E).float(), entry_states=entry,
+                  seq_idx=kw.get("seq_idx"))
+    f64 = lambda t: t.double()
+    want = list(compute_out_backward(f64(dy), f64(kw["x"]), f64(kw["B"]), f64(kw["C"]),
+                                     f64(dt_out), f64(dA), f64(entry), kw.get("seq_idx")))
+    want[1], want[2] = _sum_groups(want[1], ngroups), _sum_groups(want[2], ngroups)
+    return inputs, want
+
+
+def on(inputs, device):
+    return {k: None if v is None else v.to(device) for k, v in inputs.items()}
+
+
+def tolerance(dtype, name, entry_dtype):
+    if dtype != torch.bfloat16 or name == "ddt_out":
+        return 1e-5
+    if name == "ddA_cumsum" and entry_dtype != torch.float32:
+        return 1e-5
+    return 1e-2
+
+
+# (problem, config): the small shapes' default is one head per block (few blocks), so the cases
+# also take a block of two heads summing in registers, alone (the whole group: dB and dC written
+# directly) and as one of two partials per group; 16-token tiles with two tiles of the last
+# chunk wholly past the sequence (their ddt and ddA written as zeros).
+CASES = [
+    pytest.param(dict(), {}, id="packed-ragged-g2"),
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=2),
+                 id="whole-chunks-g1-two-partials-of-two-heads"),
+    pytest.param(dict(headdim=24, dstate=40, seq=(5, 50)), {}, id="odd-sizes"),
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, ENTRY_BLOCK_N=16),
+                 id="chunk64-tiles16-seq-in-and-at-chunks-whole-group"),
+    pytest.param(dict(seqlen=1, chunk=16), {}, id="L1"),
+    # C B^T from memory: several tiles per chunk (row and column tiles differ), the whole group
+    # of two heads in a block, tiles wholly past the sequence in the last chunk
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, SCORES_IN_MEMORY=True),
+                 id="scores-in-memory-tiles16-whole-group"),
+    pytest.param(dict(seqlen=77), dict(BLOCK_T=16, SCORES_IN_MEMORY=True),
+                 id="scores-in-memory-packed-ragged-head-partials"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case, config", CASES)
+def test_matches_the_reference(device, dtype, case, config):
+    dy_scale = 1e3 if dtype == torch.float16 else 1.0
+    inputs, want = problem(dtype, dy_scale=dy_scale, **case)
+    got = bwd_compute_out(**on(inputs, device), poison=True, config=config)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert g.dtype == torch.float32 and g.shape == w.shape, name
+        assert rel_err(g, w) < tolerance(dtype, name, dtype), name
+
+
+# The token kernel's optional terms: the chunk states' gradients (dS) and the skip (D) ------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("D_dims", [1, 2], ids=["D-1d", "D-2d"])
+@pytest.mark.parametrize("case, config", [CASES[0], CASES[3]])
+def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
+    """With dS and D the token kernel's outputs are compute_out's gradients plus
+    ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
+    with its tile sums ddA_tiles added) plus the skip's (dx += D dy; dD = sum dy x), all in
+    float64; dx comes in x's dtype (float32 for float16, whose dy is loss-scaled). dS is given as ``ops/backward.py`` stores it (bf16 for bf16
+    inputs) and the reference takes those values. Tolerances: float32 and float16 1e-5 (float32
+    products), bf16 1e-2 for every output (dS, x
+    and B enter the states' products in bf16, and dx is rounded to bf16)."""
+    from ops.runtime.launch import run
+    from reference.backward import chunk_states_backward
+    dy_scale = 1e3 if dtype == torch.float16 else 1.0
+    # float16 under loss scaling: dx would overflow float16, so it comes in float32 there
+    dx_dtype = torch.float32 if dtype == torch.float16 else dtype
+    inputs, want = problem(dtype, dy_scale=dy_scale, **case)
+    x, dy = inputs["x"], inputs["dy"]
+    b, L, h, p = x.shape
+    nchunks = inputs["dt_out"].shape[2]
+    g = torch.Generator().manual_seed(11)
+    dS = torch.randn(b, nchunks, h, p, inputs["B"].shape[3], generator=g)
+    dS = dS.to(torch.bfloat16) if dtype == torch.bfloat16 else dS
+    D = torch.randn((h,) if D_dims == 1 else (h, p), generator=g)
+    f64 = lambda t: t.double()
+    states = chunk_states_backward(f64(dS), f64(x), f64(inputs["B"]), f64(inputs["dt_out"]),
+                                   f64(inputs["dA_cumsum"]) / LOG2E, inputs["seq_idx"])
+    D_full = f64(D)[:, None] if D_dims == 1 else f64(D)
+    ngroups = inputs["B"].shape[2]
+    expected = dict(dx=want[0] + states[0] + f64(dy) * D_full,
+                    dB=want[1] + _sum_groups(states[1], ngroups), dC=want[2],
+                    ddt_out=want[3] + states[2], ddA_cumsum=want[4] + states[3],
+                    dD=(f64(dy) * f64(x)).sum((0, 1, 3) if D_dims == 1 else (0, 1)))
+    dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts, _ = run(bwd_compute_out_plan(
+        **on(inputs, device), poison=True, config=config, dS=dS.to(device), D=D.to(device),
+        dx_dtype=dx_dtype))
+    assert dx.dtype == dx_dtype
+    ddA = ddA.clone()
+    ddA[..., -1] += ddA_tiles.sum(-1)
+    dD = dD_parts.sum((0, 1))
+    got = dict(dx=dx, dB=dB_parts.sum(0), dC=dC_parts.sum(0), ddt_out=ddt, ddA_cumsum=ddA,
+               dD=dD.sum(-1) if D_dims == 1 else dD)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for name, w in expected.items():
+        assert got[name].shape == w.shape, name
+        err = rel_err(got[name].cpu().double(), w)
+        assert err < tol, (name, err)
+
+
+def test_optional_terms_are_checked():
+    inputs, _ = problem(torch.bfloat16)
+    b, L, h, p = inputs["x"].shape
+    nchunks, n = inputs["dt_out"].shape[2], inputs["B"].shape[3]
+    with pytest.raises(ValueError, match="dS must be"):
+        bwd_compute_out_plan(**inputs, dS=torch.zeros(b, nchunks, h, p, n + 1))
+    with pytest.raises(TypeError, match="dS must be contiguous"):
+        bwd_compute_out_plan(**inputs, dS=torch.zeros(b, nchunks, h, p, n, dtype=torch.float16))
+    with pytest.raises(ValueError, match="D must be"):
+        bwd_compute_out_plan(**inputs, D=torch.zeros(h + 1))
+    with pytest.raises(TypeError, match="dx_dtype"):
+        bwd_compute_out_plan(**inputs, dx_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_float32_entry_states(device, dtype):
+    inputs, want = problem(dtype, entry_dtype=torch.float32)
+    got = bwd_compute_out(**on(inputs, device), poison=True)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert rel_err(g, w) < tolerance(dtype, name, torch.float32), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("hb", [1, 2], ids=["head-partials", "whole-group"])
+def test_bitwise_reproducible(device, hb):
+    inputs, _ = problem(torch.bfloat16, seqlen=150, chunk=64)
+    config = dict(BLOCK_T=32, HEADS_PER_BLOCK=hb)
+    first = bwd_compute_out(**on(inputs, device), poison=True, config=config)
+    second = bwd_compute_out(**on(inputs, device), poison=True, config=config)
+    for name, a, b in zip(NAMES, first, second, strict=True):
+        assert torch.equal(a, b), name
+
+
+# Every config of the search space at one small shape, against the default ------------------------
+
+VARIANT = dict(seqlen=150, chunk=64, seq=(10, 64, 100))
+VARIANT_SHAPE = dict(batch=2, seqlen=150, chunk_size=64, headdim=16, dstate=32, nheads=4,
+                     ngroups=2)
+
+
+def variant_cases():
+    space, params = space_cases(mod, VARIANT_SHAPE)
+    assert {c["HEADS_PER_BLOCK"] for c in space} == {1, 2}, "both ways of summing dB and dC"
+    assert {c["SCORES_IN_MEMORY"] for c in space} == {False, True}, "both ways to get C B^T"
+    return params
+
+
+def test_scores_in_memory_by_default_where_it_was_faster():
+    """C B^T is read from memory by default where dstate's tile is 128 (faster on the H200 at
+    dstate 128, slower at 64, level at 256: ``mod.scores_in_memory``), and the search space
+    holds the other way at every dstate."""
+    for dstate, want in ((16, False), (64, False), (96, True), (128, True), (256, False)):
+        shape = dict(VARIANT_SHAPE, dstate=dstate)
+        assert mod.default_config(**shape)["SCORES_IN_MEMORY"] is want, dstate
+        assert {c["SCORES_IN_MEMORY"] for c in mod.search_space(**shape)} == {False, True}
+
+
+def test_states_fused_by_default_but_at_dstate_256_from_16k_tokens():
+    """The token kernel does bwd_chunk_states' work too by default, except at dstate 256 from
+    16K tokens (batch x seqlen), where the H200 measured the unfused path faster
+    (``mod.fuse_states``); the search space holds the other way at every shape."""
+    for dstate, batch, seqlen, want in ((128, 1, 65536, True), (64, 8, 2048, True),
+                                        (256, 1, 4096, True), (256, 1, 16384, False),
+                                        (256, 8, 2048, False), (200, 1, 65536, False),
+                                        (512, 1, 65536, True), (256, 1, None, False)):
+        shape = dict(VARIANT_SHAPE, dstate=dstate, batch=batch, seqlen=seqlen)
+        assert mod.default_config(**shape)["FUSE_STATES"] is want, shape
+        assert {c["FUSE_STATES"] for c in mod.search_space(**shape)} == {False, True}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype_name, config", variant_cases())
+def test_variant_matches_the_default(device, dtype_name, config):
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    inputs, _ = problem(dtype, **VARIANT)
+    inputs = on(inputs, device)
+    want = bwd_compute_out(**inputs, poison=True)
+    got = bwd_compute_out(**inputs, poison=True, config=config)
+    for name, g, w in zip(NAMES, got, want, strict=True):
+        assert rel_err(g, w) < (1e-5 if dtype == torch.float32 else 4e-3), name
+
+
+# Input checks ------------------------------------------------------------------------------------
+
+def test_refuses_bad_inputs():
+    inputs, _ = problem(torch.float32, seqlen=40)
+    bad = [
+        (dict(dy=inputs["dy"].to(torch.bfloat16)), TypeError, "dy"),
+        (dict(B=inputs["B"].double()), TypeError, "B"),
+        (dict(x=inputs["x"].double(), dy=inputs["dy"].double(), B=inputs["B"].double(),
+              C=inputs["C"].double()), TypeError, "x"),
+        (dict(C=inputs["C"][:, :, :1]), ValueError, "C"),
+        (dict(dt_out=inputs["dt_out"].double()), TypeError, "dt_out"),
+        (dict(dA_cumsum=inputs["dA_cumsum"][..., :16]), ValueError, "dA_cumsum"),
+        (dict(entry_states=inputs["entry_states"][:, :1]), ValueError, "entry_states"),
+        (dict(entry_states=inputs["entry_states"].half()), TypeError, "entry_states"),
+        (dict(seq_idx=inputs["seq_idx"][:, :5]), ValueError, "seq_idx"),
+        (dict(x=inputs["x"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "x"),
+    ]
+    for change, error, name in bad:
+        with pytest.raises(error, match=name):
+            bwd_compute_out_plan(**{**inputs, **change})
+    with pytest.raises(ValueError, match="HEADS_PER_BLOCK"):
+        bwd_compute_out_plan(**inputs, config=dict(HEADS_PER_BLOCK=3))
+    with pytest.raises(ValueError, match="BLOCK_T"):
+        bwd_compute_out_plan(**inputs, config=dict(BLOCK_T=64))     # more than the chunk (32)
+    with pytest.raises(ValueError, match="unknown config keys"):
+        bwd_compute_out_plan(**inputs, config=dict(BLOCK_M=32))
+
+
+# Ahead-of-time compilation (both kernels) ------------------------------------------------------
+
+def meta(*shape, dt=torch.float32):
+    return torch.empty(shape, dtype=dt, device="meta")
+
+
+def meta_plan(headdim=64, dstate=128, dtype=torch.bfloat16, seqlen=16384, nheads=80, ngroups=1,
+              chunk=256, seq=True, config=None, fused=True):
+    """The launch at a Mamba-2 layer of a ~2.7B model (by default), on meta tensors; ``fused``:
+    with dS and D, as ``ops/backward.py`` launches it (dx in x's dtype)."""
+    nchunks = -(-seqlen // chunk)
+    x = meta(1, seqlen, nheads, headdim, dt=dtype)
+    B = meta(1, seqlen, ngroups, dstate, dt=dtype)
+    states = meta(1, nchunks, nheads, headdim, dstate, dt=dtype)
+    dS = meta(1, nchunks, nheads, headdim, dstate,            # as ops/backward.py stores it
+              dt=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    extra = dict(dS=dS, D=meta(nheads), dx_dtype=dtype) if fused else {}
+    return bwd_compute_out_plan(x, x, B, B, meta(1, nheads, nchunks, chunk),
+                                meta(1, nheads, nchunks, chunk), states,
+                                meta(1, seqlen, dt=torch.int32) if seq else None, config=config,
+                                **extra)
+
+
+COMPILE = [pytest.param(dict(), arch, id=f"layer-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
+COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=False, ngroups=2,
+                              config=dict(HEADS_PER_BLOCK=1)), "sm_90", id="odd-fp16-heads1-sm_90"),
+            pytest.param(dict(config=dict(INDEX64=True)), "sm_90", id="layer-int64-sm_90"),
+            pytest.param(dict(fused=False), "sm_90", id="layer-unfused-sm_90"),
+            pytest.param(dict(config=dict(SCORES_IN_MEMORY=True)), "sm_90",
+                         id="layer-scores-in-memory-sm_90")]
+
+
+@pytest.mark.parametrize("shape, arch", COMPILE)
+def test_compiles(shape, arch):
+    from ops.tools.aot import compile_cubin
+    plan = meta_plan(**shape)
+    for step in plan.before + (plan,):
+        assert compile_cubin(step.kernel, step.args, arch)[:4] == b"\x7fELF"
