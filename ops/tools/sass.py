@@ -297,15 +297,20 @@ def compare(reports):
     print(compare_table(list(reports)))
 
 
-def analyze_cubin(cubin, arch, label="kernel"):
-    """Disassemble a cubin and summarise it (``SassReport``)."""
+def _read_cubin(cubin, *commands):
+    """The output of each (tool, flags...) command run on ``cubin``, written to a file once."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        code = _run("nvdisasm", "-c", path)        # code only: one line per instruction
-        usage = parse_res_usage(_run("cuobjdump", "-res-usage", path))
-        elf = _run("cuobjdump", "-elf", path)
+        return [_run(tool, *flags, path) for tool, *flags in commands]
+
+
+def analyze_cubin(cubin, arch, label="kernel"):
+    """Disassemble a cubin and summarise it (``SassReport``)."""
+    code, usage, elf = _read_cubin(cubin, ("nvdisasm", "-c"), ("cuobjdump", "-res-usage"),
+                                   ("cuobjdump", "-elf"))
+    usage = parse_res_usage(usage)
     attrs = parse_elf_attributes(elf)
     instructions = parse_sass(code)
     opcodes = collections.Counter(op for _, op, _ in instructions)
@@ -406,11 +411,7 @@ def sass_fingerprints(arch="sm_90", **shape):
     rows = []
     for kernel, args in pipeline_launches(**shape):
         cubin = compile_cubin(kernel, args, arch)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(cubin)
-            code = _run("nvdisasm", "-c", path)
+        code, = _read_cubin(cubin, ("nvdisasm", "-c"))     # code only: one line per instruction
         signature = repr(launch_signature(kernel, args))
         rows.append((kernel_name(kernel), hashlib.sha256(signature.encode()).hexdigest()[:12],
                      hashlib.sha256(code.encode()).hexdigest()[:16]))
