@@ -1,10 +1,10 @@
 """Benchmark the Mamba-2 SSD forward pass against mamba_ssm's Triton kernels and TileGym.
 
-    python tests/benchmark/bench_forward.py --csv results.csv --plot speedup.png   # the full grid, chunk 256
-    python tests/benchmark/bench_forward.py --chunks 64,128,256 --csv chunks.csv   # + each one's best chunk
-    python tests/benchmark/bench_forward.py --chunks 64,128,256 --impl-chunks tilegym=64,triton=128:256
-    python tests/benchmark/bench_forward.py --seqlens 16K --dstates 128 --impls triton,cutile
-    python tests/benchmark/bench_forward.py --device cpu --impls reference,interpret \\
+    python -m tests.benchmark.bench_forward --csv results.csv --plot speedup.png   # the full grid, chunk 256
+    python -m tests.benchmark.bench_forward --chunks 64,128,256 --csv chunks.csv   # + each one's best chunk
+    python -m tests.benchmark.bench_forward --chunks 64,128,256 --impl-chunks tilegym=64,triton=128:256
+    python -m tests.benchmark.bench_forward --seqlens 16K --dstates 128 --impls triton,cutile
+    python -m tests.benchmark.bench_forward --device cpu --impls reference,interpret \\
         --seqlens 64,128 --dstates 16 --nheads 2 --headdim 16 --chunks 32        # dry run, no GPU
 
 Implementations (``--impls``; one that is not installed is recorded as such and the run goes on):

@@ -5,8 +5,8 @@ constant) after commit d059689. This script checks what that changed, against th
 package of the earlier commit checked out beside this one (loaded under the name ``ops_before``):
 
     mkdir -p .old && git archive d059689 ops | tar -x -C .old   # the earlier package: .old/ops
-    python tests/benchmark/compare_compute_out.py --before .old/ops --sass sm_90 --csv S.csv
-    python tests/benchmark/compare_compute_out.py --before .old/ops \
+    python -m tests.benchmark.compare_compute_out --before .old/ops --sass sm_90 --csv S.csv
+    python -m tests.benchmark.compare_compute_out --before .old/ops \
         --cache tests/benchmark/results/autotune_h200.json.gz --also S.csv --csv T.csv
 
 ``--sass ARCH`` (no GPU needed) compiles every config of compute_out's search space at each

@@ -1,8 +1,8 @@
 """Compile every config of every kernel's search space ahead of time, and report which compile.
 
-    python tests/benchmark/compile_all.py                          # sm_90, dstate 128 and 256
-    python tests/benchmark/compile_all.py --arch sm_90,sm_100 --dstates 64,128,256,512 --jobs 2
-    python tests/benchmark/compile_all.py --kernels compute_out --csv compile.csv
+    python -m tests.benchmark.compile_all                          # sm_90, dstate 128 and 256
+    python -m tests.benchmark.compile_all --arch sm_90,sm_100 --dstates 64,128,256,512 --jobs 2
+    python -m tests.benchmark.compile_all --kernels compute_out --csv compile.csv
 
 A tuner times each config of ``search_space`` on the GPU; a config that does not compile would
 only waste its time there, so this script checks them all beforehand, on any machine (no GPU:

@@ -1,7 +1,7 @@
 """Merge benchmark CSVs from several runs into one, a row per point of the grid.
 
-    python tests/benchmark/merge_results.py OUT.csv RUN1.csv RUN2.csv ...
-    python tests/benchmark/merge_results.py --share 1K,4K,16K,64K,256K 0,1    # split L over GPUs
+    python -m tests.benchmark.merge_results OUT.csv RUN1.csv RUN2.csv ...
+    python -m tests.benchmark.merge_results --share 1K,4K,16K,64K,256K 0,1    # split L over GPUs
 
 For grids split over runs (one GPU each, or a run resumed later): where two inputs hold the same
 point for the same implementation, the later input wins, so list the runs oldest first. Each row

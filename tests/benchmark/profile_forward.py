@@ -2,7 +2,7 @@
 
     ncu --clock-control none --nvtx --nvtx-include profile/ --section SpeedOfLight \\
         --section Occupancy --section WarpStateStats \\
-        python tests/benchmark/profile_forward.py --impl cutile --seqlen 64K --dstate 256 --reps 1
+        python -m tests.benchmark.profile_forward --impl cutile --seqlen 64K --dstate 256 --reps 1
     tests/benchmark/profile_ncu.sh                  # the usual set, reports in $OUT
 
 The inputs are the benchmark's (``bench_forward.make_inputs``: the same seeded random Mamba-2 layer

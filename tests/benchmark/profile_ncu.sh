@@ -29,7 +29,7 @@ for shape in $SHAPES; do
             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
             --section MemoryWorkloadAnalysis \
             --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-            python tests/benchmark/profile_forward.py --impl "$impl" --seqlen "$L" --dstate "$n" --reps 1 \
+            python -m tests.benchmark.profile_forward --impl "$impl" --seqlen "$L" --dstate "$n" --reps 1 \
             > "$OUT/ncu_${impl}_${L}_${n}.log" 2>&1 || { echo "  ncu failed: see the .log"; tail -5 "$OUT/ncu_${impl}_${L}_${n}.log"; continue; }
         "$NCU" --import "$rep.ncu-rep" --csv --page raw > "$csv" || { echo "  import failed"; continue; }
         python -m ops.results.ncu_summary "$csv" || true

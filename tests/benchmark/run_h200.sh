@@ -91,7 +91,7 @@ elapsed() { echo "$(( $(date +%s) - $1 )) s"; }
 bench() {
     local name=$1 limit=$2 dir=$3 log=$4; shift 4
     mkdir -p "$dir/slices"
-    timeout -k 15 "$limit" python tests/benchmark/bench_forward.py "$@" \
+    timeout -k 15 "$limit" python -m tests.benchmark.bench_forward "$@" \
         --csv "$dir/$name.csv" --resume --slices "$dir/slices" --task-timeout "$TASK_TIMEOUT" $EXTRA_ARGS \
         2>&1 | tee -a "$log"
     return "${PIPESTATUS[0]}"
@@ -117,10 +117,10 @@ part() {
             CUDA_VISIBLE_DEVICES=$gpu bench "$name" "$limit" "$dir" "$OUT/$name.gpu$gpu.log" \
                 --seqlens "$lens" "$@" > /dev/null &
             pids+=("$!"); dirs+=("$dir/$name.csv")
-        done < <(python tests/benchmark/merge_results.py --share "$seqlens" "$GPUS")
+        done < <(python -m tests.benchmark.merge_results --share "$seqlens" "$GPUS")
         for p in "${pids[@]}"; do wait "$p" || rc=$?; done
         local have=(); for f in "${dirs[@]}"; do [ -f "$f" ] && have+=("$f"); done
-        [ "${#have[@]}" -gt 0 ] && python tests/benchmark/merge_results.py "$WORK/$name.csv" "${have[@]}"
+        [ "${#have[@]}" -gt 0 ] && python -m tests.benchmark.merge_results "$WORK/$name.csv" "${have[@]}"
         cat "$OUT/$name".gpu*.log >> "$OUT/$name.log" 2>/dev/null || true
     fi
     if [ -f "$WORK/$name.csv" ]; then
@@ -142,7 +142,7 @@ for p in $PARTS; do
         warm)
             tg=""; case ",$IMPLS," in *,tilegym,*) tg="--tilegym" ;; esac
             warm_chunks() {     # warm_chunks CHUNKS: compile for calls at CHUNKS
-                timeout -k 10 "${WARM_LIMIT:-240}" python tests/benchmark/warm_compile.py \
+                timeout -k 10 "${WARM_LIMIT:-240}" python -m tests.benchmark.warm_compile \
                     --procs "${WARM_PROCS:-15}" --dstates "$DSTATES" --chunks "$1" \
                     --seqlens "${WARM_SEQLENS:-1024,4096,16384,262144}" $tg 2>&1 \
                     | tee -a "$OUT/warm.log" | tail -8

@@ -7,10 +7,10 @@ sizes divisible by 16). So launching every config once, from several processes a
 inputs with the same constants and divisibility as the benchmark's, lets the tuner find them all
 compiled.
 
-    python tests/benchmark/warm_compile.py --dstates 64,128,256,512 --seqlens 1024,4096,16384,262144
-    python tests/benchmark/warm_compile.py --chunks 64,128,256 --tilegym     # + the chunk sweep, TileGym
-    python tests/benchmark/warm_compile.py --kernels fwd_pass_state          # one kernel's space
-    python tests/benchmark/warm_compile.py --batch 8 --seqlens 2048 --dstates 128 --chunks 64,128,256
+    python -m tests.benchmark.warm_compile --dstates 64,128,256,512 --seqlens 1024,4096,16384,262144
+    python -m tests.benchmark.warm_compile --chunks 64,128,256 --tilegym     # + the chunk sweep, TileGym
+    python -m tests.benchmark.warm_compile --kernels fwd_pass_state          # one kernel's space
+    python -m tests.benchmark.warm_compile --batch 8 --seqlens 2048 --dstates 128 --chunks 64,128,256
     python -m tests.benchmark.models --warm       # the model shapes (tests/benchmark/models.py), one pool
 
 ``--chunks`` are the chunks the benchmark calls with; each (length, dstate) compiles at the chunk
