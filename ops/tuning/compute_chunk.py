@@ -20,7 +20,7 @@ alone takes less time at 128 at every model and grid shape timed reliably (under
 ``tests/benchmark/results/``: ``models_h200.csv``, the default rows of
 ``fwd_pass_state_split_h200.csv``, ``chunk_sweep_h200.csv``), and so does a training step's scan
 wherever the GPU, not the host, sets its time, the more so with the pass over the states forming
-dentry itself (``ops.backward.BACKWARD_DEFAULTS``; ``fwd_bwd_d971a0b_h200.csv``,
+dentry itself (``ops.backward.BACKWARD_DEFAULTS``; ``fwd_bwd_backward_at_128_h200.csv``,
 ``bwd_fuse_entry_h200.csv``): so the backward computes at the forward's chunk. At dstate 64 a
 forward of a few thousand tokens is mostly host time and no timing of it was reliable, so there
 "auto" starts at 16K tokens. Chunk 64 is about as fast as 128 in a training step at nearly twice
