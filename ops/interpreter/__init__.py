@@ -61,7 +61,10 @@ Modules
   stores and atomics of `rawmemory.RawArrayMemory`;
 * `pybuiltins`: Python's ``max``, ``min``, ``divmod``, ... on tiles;
 * `runner`: the dispatch mode, ``bid`` / ``num_blocks``, `is_interpreting`
-  and `launch`.
+  and `launch`;
+* `trace`: what a launch touched (``launch(..., record=True)``): `Trace`,
+  one `Access` per load or store, with the block, the kernel line and the
+  elements of the argument it read or wrote.
 
 Values inside an interpreted kernel
 -----------------------------------
@@ -128,6 +131,17 @@ the array, or a partial tile with ``check_bounds=False``, is undefined
 behaviour on the GPU and an error here.  Hints (``latency``,
 ``allow_tma``, memory order/scope) are accepted and ignored.
 
+Recording and running some blocks
+---------------------------------
+``launch(..., record=True)`` returns a `Trace` of every ``ct.load``,
+``ct.store``, gather / scatter and tiled-view access: which block, which
+kernel line, which elements of which argument (views mapped back to the
+argument), how much of the tile was padding (``trace.summary((2, 0))``
+reads ``line 7: load a[32:48, 0:32] (tile 16x32)``; ``ops.tools.picture``
+draws it).  ``launch(..., blocks=[(2, 0)])`` runs only the blocks named,
+with ``ct.bid`` and ``ct.num_blocks`` as in the whole grid, so one block
+can be stepped through or checked alone.
+
 Errors
 ------
 Mistakes the compiler would reject, and undefined behaviour we can detect,
@@ -185,15 +199,18 @@ from .errors import (
 )
 from .memory import UndeterminedPaddingWarning
 from .runner import is_interpreting, launch
+from .trace import Access, Trace
 from .values import Array, Tile
 
 __all__ = [
+    "Access",
     "Array",
     "KernelAssertionError",
     "KernelError",
     "KernelTypeError",
     "KernelValueError",
     "Tile",
+    "Trace",
     "UndeterminedPaddingWarning",
     "UnsupportedOperation",
     "is_interpreting",

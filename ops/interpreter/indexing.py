@@ -31,6 +31,7 @@ from .arguments import check_shape
 from .errors import KernelTypeError, KernelValueError
 from .memory import _padding_value, implicit_cast, padding_fill
 from .registry import emulates
+from .trace import ACTIVE as RECORDING
 from .values import Array, Tile
 
 
@@ -193,6 +194,10 @@ def gather(array, indices, /, *, mask=None, padding_value=0, check_bounds=True, 
                                                "padding_value", mask, check_bounds, latency)
     result = pad.clone()
     result[active] = array._t[tuple(t[active] for t in idx)]
+    recorder = RECORDING.get()
+    if recorder is not None:
+        recorder.lanes("ct.gather", "load", array, [t[active] for t in idx], active.shape,
+                       _outside(array, idx, mask))
     return Tile(result, array.dtype)
 
 
@@ -202,6 +207,16 @@ def scatter(array, indices, value, /, *, mask=None, check_bounds=True, latency=N
     array, idx, data, active = _indexed_operand(op, array, indices, value, "value", mask,
                                                 check_bounds, latency)
     _write(op, array, [t[active] for t in idx], data[active])
+    recorder = RECORDING.get()
+    if recorder is not None:
+        recorder.lanes(op, "store", array, [t[active] for t in idx], active.shape,
+                       _outside(array, idx, mask))
+
+
+def _outside(array, idx, mask):
+    """How many enabled lanes index outside the array (what a trace counts as padded)."""
+    shape = idx[0].shape if idx else ()
+    return int((_mask("", mask, shape) & ~_in_bounds(array, idx, shape)).sum())
 
 
 # ---------------------------------------------------------------------------
@@ -289,6 +304,10 @@ def load_advanced_indexing(array, indices, /, *, padding_mode=PaddingMode.UNDETE
     fill = (_padding_value if bool(inside.all()) else padding_fill)(op, padding_mode, array.dtype)
     result = torch.full(shape, fill, dtype=array._t.dtype)
     result[inside] = array._t[tuple(t[inside] for t in idx)]
+    recorder = RECORDING.get()
+    if recorder is not None:
+        recorder.lanes(op, "load", array, [t[inside] for t in idx], shape,
+                       int((~inside).sum()), padding_mode=padding_mode)
     return Tile(result, array.dtype)
 
 
@@ -304,4 +323,8 @@ def store_advanced_indexing(array, indices, tile, /, *, latency=None, allow_tma=
                               f"implied by the indices, got {got}")
     data = implicit_cast(op, "`tile`", tile, array.dtype)
     _write(op, array, [t[inside] for t in idx], data[inside])
+    recorder = RECORDING.get()
+    if recorder is not None:
+        recorder.lanes(op, "store", array, [t[inside] for t in idx], shape,
+                       int((~inside).sum()))
 

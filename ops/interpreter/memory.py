@@ -14,6 +14,7 @@ from .arguments import as_int, axis_index, check_shape, constant, int_tuple
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError, kernel_location
 from .registry import emulates
+from .trace import ACTIVE as RECORDING
 from .values import Array, Tile
 
 
@@ -168,7 +169,8 @@ def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERM
                               f"array has rank {array.ndim}")
     check_shape(op, shape)
     full_shape = shape or (1,) * array.ndim  # a 0-d load reads a 1x..x1 tile
-    view = _array_view(array, _axis_order(op, order, array.ndim))
+    axes = _axis_order(op, order, array.ndim)
+    view = _array_view(array, axes)
     region, inside = _tile_region(op, view.shape, index, full_shape, check_bounds)
     if inside is None:
         data = view[region].clone()  # a copy: later stores must not change this tile
@@ -176,6 +178,9 @@ def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERM
         fill = padding_fill(op, padding_mode, array.dtype)
         data = torch.full(full_shape, fill, dtype=view.dtype)
         data[inside] = view[region]
+    recorder = RECORDING.get()
+    if recorder is not None:
+        recorder.region(op, "load", array, region, shape, order=axes, padding_mode=padding_mode)
     return Tile(data.reshape(shape), array.dtype)
 
 
@@ -221,9 +226,14 @@ def store(array, /, index, tile, *, order="C", check_bounds=True, latency=None,
     elif data.dim() != array.ndim:
         raise KernelTypeError(f"{op}: a {data.dim()}-d tile cannot be stored into a "
                               f"{array.ndim}-d array; the ranks must match")
-    view = _array_view(array, _axis_order(op, order, array.ndim))
+    axes = _axis_order(op, order, array.ndim)
+    view = _array_view(array, axes)
     region, inside = _tile_region(op, view.shape, index, data.shape, check_bounds)
     view[region] = data if inside is None else data[inside]
+    recorder = RECORDING.get()
+    if recorder is not None:
+        recorder.region(op, "store", array, region, tile.shape if isinstance(tile, Tile) else (),
+                        order=axes)
 
 
 @emulates("num_tiles")

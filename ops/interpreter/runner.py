@@ -10,7 +10,7 @@ import cuda.tile as ct
 from ops.runtime.cutile_internals import DispatchMode, ScalarAnnotation, is_stub, kernel_function, stub_name
 from .arguments import as_int
 from .dtypes import compute, to_dtype
-from . import memory
+from . import memory, trace
 from .errors import KernelTypeError, UnsupportedOperation
 from .pybuiltins import tile_builtins
 from .registry import OPS, InterpreterMode, emulates
@@ -107,7 +107,34 @@ def _normalize_grid(grid):
     return grid + (1,) * (3 - len(grid))
 
 
-def launch(grid, kernel, args, *, undetermined_padding=None):
+def _grid_order(block):
+    """Sort key: blocks run x fastest, then y, then z."""
+    return block[2], block[1], block[0]
+
+
+def _selected_blocks(blocks, grid):
+    """The blocks to run, in grid order: all of them, or those of ``blocks`` (each an int or
+    a tuple of up to 3 ints, missing axes 0), checked against the grid."""
+    if blocks is None:
+        return ((x, y, z) for z in range(grid[2]) for y in range(grid[1]) for x in range(grid[0]))
+    example = "e.g. blocks=[3] or blocks=[(2, 0), (3, 1)]"
+    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+        raise ValueError(f"blocks must be None or an iterable of block indices ({example}), "
+                         f"got {blocks!r}")
+    selected = set()
+    for value in blocks:
+        try:
+            block = trace.normalize_block(value)
+        except ValueError:
+            raise ValueError(f"blocks: {value!r} is not a block index; each is an int or a "
+                             f"tuple of up to 3 ints ({example})") from None
+        if not all(0 <= b < g for b, g in zip(block, grid)):
+            raise ValueError(f"blocks: block {value!r} is outside the grid {grid}")
+        selected.add(block)
+    return sorted(selected, key=_grid_order)
+
+
+def launch(grid, kernel, args, *, undetermined_padding=None, record=False, blocks=None):
     """Run a ``@ct.kernel`` on CPU tensors, block by block, in the calling thread.
 
     Arguments mirror ``ct.launch(stream, grid, kernel, args)`` without the
@@ -117,6 +144,15 @@ def launch(grid, kernel, args, *, undetermined_padding=None):
     NaN, or an integer's most negative value) or "gpu" (what an H200 returned,
     with an ``UndeterminedPaddingWarning`` naming the kernel line); None takes
     ``$MAMBA2_CUTILE_UNDETERMINED_PADDING``, else "nan".
+
+    ``record=True`` returns a `trace.Trace`: which elements of which argument
+    each block loaded and stored, from which kernel line (otherwise None is
+    returned, and the operations pay one check for it).  ``blocks`` runs only
+    some blocks, to look at one in isolation: an iterable of block indices,
+    each an int or a tuple of up to 3 ints (missing axes 0); they run in grid
+    order, and ``ct.bid`` / ``ct.num_blocks`` answer as in the full grid.  A
+    block outside the grid is a ValueError.  Elements that only the skipped
+    blocks write keep their old values.
     """
     if not isinstance(kernel, ct.kernel):
         raise TypeError(f"expected a @ct.kernel, got {type(kernel).__name__}")
@@ -125,19 +161,32 @@ def launch(grid, kernel, args, *, undetermined_padding=None):
     kinds = _parameter_kinds(pyfunc)
     if len(args) > len(kinds):
         raise TypeError(f"{pyfunc.__name__} takes {len(kinds)} arguments, got {len(args)}")
+    selected = _selected_blocks(blocks, grid)
     call_args = [value if kind == "constant" else _kernel_argument(value, kind)
                  for value, kind in zip(args, kinds)]
+    recorder = None
+    if record:
+        code = pyfunc.__code__
+        tensors = {i: v for i, v in enumerate(args) if isinstance(v, torch.Tensor)}
+        recorder = trace.Recorder(trace.Trace(
+            grid=grid, arg_names=list(code.co_varnames[:code.co_argcount]),
+            arg_shapes={i: tuple(v.shape) for i, v in tensors.items()},
+            kernel=pyfunc.__name__, filename=code.co_filename), tensors,
+            {i: a for i, a in enumerate(call_args) if isinstance(a, Array)})
     mode = Interpreter(grid)
     # tile_builtins: max(tile, tile) and friends behave as the compiler makes them.
     with torch.no_grad(), mode.as_current(), tile_builtins(), \
-            memory.undetermined_padding(undetermined_padding):
-        for z in range(grid[2]):
-            for y in range(grid[1]):
-                for x in range(grid[0]):
-                    mode.block = (x, y, z)
-                    try:
-                        pyfunc(*call_args)
-                    except Exception as e:
-                        if hasattr(e, "add_note"):  # Python >= 3.11
-                            e.add_note(f"(CPU interpreter: block {mode.block} of grid {grid})")
-                        raise
+            memory.undetermined_padding(undetermined_padding), \
+            trace.recording(recorder):
+        for block in selected:
+            mode.block = block
+            if recorder:
+                recorder.block = block
+                recorder.trace.blocks.append(block)
+            try:
+                pyfunc(*call_args)
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python >= 3.11
+                    e.add_note(f"(CPU interpreter: block {mode.block} of grid {grid})")
+                raise
+    return recorder.trace if recorder else None

@@ -1,222 +1,428 @@
-"""Graded cuTile exercises: a PyTorch spec per exercise, and a grader that runs a learner's kernel
-on the CPU interpreter and says pass, or which element is wrong, with a hint.
+"""The exercises' grader: runs a learner's kernel on the CPU interpreter and says PASS, or what is
+wrong, where, and in which block.
 
-    from ops.tools.grader import grade
-    grade("add_vectors", add_vectors)          # prints PASS / FAIL ...; returns a Result
+    from ops.tools.grader import grade, hint, picture
+    grade("add_vectors", add_vectors)              # PASS, or FAIL: which element, which block,
+                                                   # what that block read, your line
+    hint("add_vectors")                            # a nudge; hint(..., full=True): the recipe
+    grade("add_vectors", add_vectors, problem=3, block=15)   # one problem, one block: print() in
+                                                   # the kernel prints once
+    picture("add_vectors", add_vectors, problem=3) # what each block loaded and stored
 
-Each exercise (``EXERCISES``) says how to make random inputs (never zeros), the outputs' shapes,
-how the kernel is launched (grid and arguments), what it must compute (a PyTorch function) and
-the tolerance with its reason. The grader poisons every output with NaN before the launch, so an
-element the kernel never writes is reported as such, tries three random problems (the last with
-sizes that leave partial tiles where the exercise has them), and catches the interpreter's errors
-(a wrong tile shape, a dtype the compiler would reject) as a failure with the kernel's message.
-The exercises are in ``notebooks/exercises/``; their solutions apart, in its ``solutions/``.
+The exercises (``ops.tools.exercises``) say how to make each problem's inputs, the launch, the
+spec and the tolerance. For every problem, in order, the grader poisons every output with NaN,
+launches the kernel through the interpreter recording each block's loads and stores
+(``ops.interpreter.Trace``), and compares with the spec. The first problem that fails ends the
+grading, and the FAIL says
+
+* which problem (its label says what it stresses, and so names the likely mistake),
+* the first wrong element, what it holds and what was expected,
+* which block stored it, and what that block loaded and stored, line by line (a NaN that came
+  from padding a block read with the default ``padding_mode`` is named as such); or, for an
+  element no block stored, where the blocks did store,
+* when the wrong output is exactly what a known mistake gives (the exercise's ``mistakes``: exp
+  for exp2, the wrong axis, natural-log units...), that mistake; when a float32 output holds only
+  16-bit numbers, the question whether it was summed in 16 bits,
+* for an error inside the kernel: the block, the learner's own line (``line 5 of the cell`` in a
+  notebook, whose cells number their lines from 1) with its text, and the interpreter's message.
+
+No hint is printed with a FAIL: a learner asks for one (``hint``), first a nudge, then, asked
+again with ``full=True``, the recipe.
+
+Bad calls (an unknown exercise, an undecorated function, a missing or unexpected ``grid=``, a
+problem or block that does not exist) raise ValueError/TypeError naming the argument.
 """
 import dataclasses
+import linecache
 import math
+import os
 import re
+import sys
+import sysconfig
 
 import torch
 
-from ..checks import cdiv
-from ops.runtime.launch import launch
-from ops.kernels.common import LOG2E
+import cuda.tile as ct
+from ops import interpreter
 
+from .exercises import EXERCISES
 
-@dataclasses.dataclass
-class Exercise:
-    inputs: object          # (generator, size) -> tuple of input tensors
-    outputs: object         # inputs -> tuple of (shape, dtype) of the outputs
-    run: object             # (kernel, inputs, outputs) -> None: launches the kernel
-    spec: object            # inputs -> tuple of expected outputs (PyTorch)
-    tol: float              # max |out - expected| / (1 + |expected|), elementwise
-    hint: str
-    sizes: tuple = (1, 2, 3)  # the problems tried (each exercise reads them its own way)
+_SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                   for m in (sys.modules["ops"], ct, torch))
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
 @dataclasses.dataclass
 class Result:
+    """A verdict. True when it passed. ``launches``: (args, Trace) of each launch of the last
+    problem run; ``output``: (launch number, argument position) of the output a FAIL is about."""
     name: str
     passed: bool
     message: str
+    problem: int = 0
+    launches: list = dataclasses.field(default_factory=list)
+    output: tuple = None
 
     def __bool__(self):
         return self.passed
 
-
-def _randn(gen, *shape, dtype=torch.float32):
-    return torch.randn(*shape, generator=gen).to(dtype)
-
-
-TILE = 64           # the 1-d tile of the warm-up exercises
-TM, TN = 16, 32     # the 2-d tile
-
-
-def _vector_sizes(size):
-    return {1: 256, 2: 4 * TILE, 3: 1000}[size]            # the last: a partial last tile
-
-
-def _matrix_sizes(size):
-    return {1: (TM, TN), 2: (3 * TM, 2 * TN), 3: (50, 70)}[size]
+    def picture(self, **kwargs):
+        """What each block of the launch that wrote the failing output loaded and stored
+        (``ops.tools.picture.draw``)."""
+        if not self.launches:
+            raise ValueError(f"{self.name}: nothing was launched, so there is nothing to draw")
+        from .picture import draw
+        launch, arg = self.output or (len(self.launches) - 1, None)
+        trace = self.launches[launch][1]
+        if arg is None:
+            arg = max(i for i, a in enumerate(self.launches[launch][0]) if isinstance(a, torch.Tensor))
+        return draw(trace, arg, **kwargs)
 
 
-EXERCISES = {
-    # 1. One tile per block, the last one partial.
-    "add_vectors": Exercise(
-        inputs=lambda g, s: (_randn(g, _vector_sizes(s)), _randn(g, _vector_sizes(s))),
-        outputs=lambda a, b: [(a.shape, a.dtype)],
-        run=lambda k, i, o: launch(cdiv(i[0].numel(), TILE), k, (*i, *o, TILE)),
-        spec=lambda a, b: (a + b,),
-        tol=1e-6,       # float32 addition, exact up to rounding
-        hint="c = a + b: load tile ct.bid(0) of a and of b (shape=(TILE,)), store their sum; "
-             "the last tile sticks out of the arrays, and the store drops what lies outside"),
-    # 2. A 2-d grid of 2-d tiles.
-    "scale_matrix": Exercise(
-        inputs=lambda g, s: (_randn(g, *_matrix_sizes(s)),),
-        outputs=lambda a: [(a.shape, a.dtype)],
-        run=lambda k, i, o: launch((cdiv(i[0].shape[0], TM), cdiv(i[0].shape[1], TN)), k,
-                                   (*i, *o, 2.5, TM, TN)),
-        spec=lambda a: (a * 2.5,),
-        tol=1e-6,
-        hint="out = scale * a with (TM, TN) tiles: block (ct.bid(0), ct.bid(1)) owns tile "
-             "(ct.bid(0), ct.bid(1)); the index counts tiles, not elements"),
-    # 3. A transposing load: order=.
-    "transpose": Exercise(
-        inputs=lambda g, s: (_randn(g, *_matrix_sizes(s)),),
-        outputs=lambda a: [((a.shape[1], a.shape[0]), a.dtype)],
-        run=lambda k, i, o: launch((cdiv(i[0].shape[1], TM), cdiv(i[0].shape[0], TN)), k,
-                                   (*i, *o, TM, TN)),
-        spec=lambda a: (a.t().contiguous(),),
-        tol=0.0,        # a copy: exact
-        hint="out = a.T: with order=(1, 0), ct.load reads a through its transposed view, of "
-             "out's shape, so tile (i, j) of that view is out's tile (i, j)"),
-    # 4. A scan along the rows.
-    "row_cumsum": Exercise(
-        inputs=lambda g, s: (_randn(g, {1: 4, 2: 16, 3: 20}[s], TILE),),
-        outputs=lambda a: [(a.shape, a.dtype)],
-        run=lambda k, i, o: launch(cdiv(i[0].shape[0], TM), k, (*i, *o, TM, TILE)),
-        spec=lambda a: (a.cumsum(1),),
-        tol=1e-5,       # float32 sums of 64 terms in another order: a few ulps
-        hint="out = a.cumsum(axis 1): one block loads TM whole rows (shape=(TM, N)) and "
-             "ct.cumsum(tile, axis=1); rows past the end: padding_mode=ct.PaddingMode.ZERO"),
-    # 5. A causal decay mask: ct.where before exp2 (compute_out's in-chunk weights).
-    "causal_decay": Exercise(
-        inputs=lambda g, s: (torch.cumsum(-torch.rand(TILE, generator=g), 0),),
-        outputs=lambda v: [((TILE, TILE), torch.float32)],
-        run=lambda k, i, o: launch(1, k, (*i, *o, TILE)),
-        spec=lambda v: (torch.where(torch.ones(TILE, TILE, dtype=torch.bool).tril(),
-                                    torch.exp2(v[:, None] - v[None, :]), 0.0),),
-        tol=1e-6,       # one exp2 per element
-        hint="out[l, s] = exp2(v[l] - v[s]) for s <= l, else 0: build the exponent with "
-             "broadcasting (v[:, None] - v[None, :]), mask it with ct.where(rows >= cols, "
-             "expo, -inf) using ct.arange, then ct.exp2"),
-    # 6. A matrix product on the tensor cores, looping over K.
-    "matmul": Exercise(
-        inputs=lambda g, s: (_randn(g, TM * s, 64, dtype=torch.float16),
-                             _randn(g, 64, TN * s, dtype=torch.float16)),
-        outputs=lambda a, b: [((a.shape[0], b.shape[1]), torch.float32)],
-        run=lambda k, i, o: launch((i[0].shape[0] // TM, i[1].shape[1] // TN), k,
-                                   (*i, *o, TM, TN, 16)),
-        spec=lambda a, b: (a.float() @ b.float(),),
-        tol=1e-5,       # fp16 operands, exact products, float32 sums of 64 terms
-        hint="out = a @ b in float32: acc = ct.zeros((TM, TN), dtype=ct.float32), then for each "
-             "of the K // TK tiles of the shared dimension acc = ct.mma(a_tile, b_tile, acc)"),
-    # The "your turn" exercises of notebooks 03-05: the heart of each kernel, one chunk.
-    # 03: dt processing and the decay cumsum, heads along the rows.
-    "dt_cumsum": Exercise(
-        inputs=lambda g, s: (_randn(g, TILE, 8) * 2, -torch.rand(8, generator=g) - 0.1,
-                             _randn(g, 8) * 0.5),
-        outputs=lambda dt, A, bias: [((8, TILE), torch.float32)],
-        run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 8)),
-        spec=lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1)
-                                  * LOG2E,),
-        tol=1e-5,       # float32 softplus and a 64-term running sum: a few ulps of the sum
-        hint="out[h, t] = sum over t' <= t of softplus(dt[t', h] + bias[h]) * A[h] * log2(e): load "
-             "dt transposed (order=(1, 0)) so heads are rows, add bias[:, None], softplus as "
-             "ct.log(1 + ct.exp(v)), multiply by A[:, None] * LOG2E, ct.cumsum along axis 1"),
-    # 04: one chunk folded into the state: one ct.mma.
-    "state_update": Exercise(
-        inputs=lambda g, s: (_randn(g, TILE, 16, dtype=torch.float16),
-                             _randn(g, TILE, 32, dtype=torch.float16), torch.rand(TILE, generator=g),
-                             _randn(g, 16, 32), torch.rand(1, generator=g)),
-        outputs=lambda x, B, w, state, decay: [(state.shape, torch.float32)],
-        run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 16, 32)),
-        spec=lambda x, B, w, state, decay: (decay * state + (x.float() * w[:, None]).t() @ B.float(),),
-        tol=1e-2,       # the weighted x may be rounded to float16 for the tensor cores (2^-11
-                        # relative per term, as the kernels do): over 64 terms of size ~1, a few
-                        # 1e-3 absolute
-        hint="out = decay * state + (x * w[:, None])^T @ B: weight x in float32, cast back to "
-             "x.dtype, then ct.mma(ct.transpose(xw), B_tile, ct.zeros((P, N), dtype=ct.float32)); "
-             "decay is a (1,) array: load it with shape=(1,)"),
-    # 05: the in-chunk term: C B^T, the causal decay, times dt, then @ x: two ct.mma.
-    "chunk_output": Exercise(
-        inputs=lambda g, s: (_randn(g, TILE, 32, dtype=torch.float16),
-                             _randn(g, TILE, 32, dtype=torch.float16),
-                             _randn(g, TILE, 16, dtype=torch.float16),
-                             torch.cumsum(-torch.rand(TILE, generator=g) * 0.1, 0),
-                             torch.rand(TILE, generator=g)),
-        outputs=lambda C, B, x, dA, dt: [((TILE, 16), torch.float32)],
-        run=lambda k, i, o: launch(1, k, (*i, *o, TILE, 16, 32)),
-        spec=lambda C, B, x, dA, dt: (
-            (torch.where(torch.ones(TILE, TILE, dtype=torch.bool).tril(),
-                         C.float() @ B.float().t() * torch.exp2(dA[:, None] - dA[None, :]), 0.0)
-             * dt[None, :]) @ x.float(),),
-        tol=1e-2,       # the weights are rounded to float16 for the second product (2^-11
-                        # relative each), sums of up to 64 terms of size ~|C B^T| ~ 6
-        hint="y = (where(l >= s, C B^T * exp2(dA[l] - dA[s]), 0) * dt[s]) @ x: cb = ct.mma(C, "
-             "ct.transpose(B), zeros (CHUNK, CHUNK)); mask the exponent with ct.where and ct.arange "
-             "(-inf gives 0); weights = (cb * ct.exp2(expo) * dt[None, :]).astype(x.dtype); "
-             "ct.mma(weights, x, zeros (CHUNK, P))"),
-}
+class _UsageError(Exception):
+    """A mistake in the call to the grader, not in the kernel: re-raised as it is."""
 
 
-def _first_wrong(out, ref, tol):
-    """(index, got, expected) of the first element outside the tolerance, or None."""
+class _Runner:
+    """The launch the exercises call: records a Trace per launch; runs only ``block`` if given."""
+
+    def __init__(self, block, grid_function):
+        self.block, self.grid_function, self.launches = block, grid_function, []
+
+    def __call__(self, grid, kernel, args):
+        if not isinstance(kernel, ct.kernel):
+            raise _UsageError(TypeError(
+                f"the kernel must be a @ct.kernel function, got {type(kernel).__name__} "
+                f"{getattr(kernel, '__name__', '')!r}: is @ct.kernel missing above its def?"))
+        grid = self._grid(grid)
+        blocks = None
+        if self.block is not None:
+            block = (self.block,) if isinstance(self.block, int) else tuple(self.block)
+            if len(block) > 3 or any(not isinstance(b, int) or not 0 <= b < g
+                                     for b, g in zip(block + (0,) * (3 - len(block)), grid)):
+                raise _UsageError(ValueError(
+                    f"block={self.block!r} is not a block of this launch's grid {grid}"))
+            blocks = [block]
+            self.ran_block = block + (0,) * (3 - len(block))
+        trace = interpreter.launch(grid, kernel, args, record=True, blocks=blocks)
+        self.launches.append((tuple(args), trace))
+
+    def _grid(self, grid):
+        grid = (grid,) if isinstance(grid, int) else grid
+        ok = (isinstance(grid, tuple) and 1 <= len(grid) <= 3
+              and all(isinstance(g, int) and g > 0 for g in grid))
+        if not ok:
+            who = (f"your grid function {self.grid_function.__name__} returned"
+                   if self.grid_function else "the grid is")
+            raise _KernelMistake(f"{who} {grid!r}: a grid is a positive int or a tuple of 1 to 3 "
+                                 f"positive ints (ct.cdiv rounds up)")
+        return grid + (1,) * (3 - len(grid))
+
+    def find(self, tensor):
+        """(launch number, argument position) of the last launch that stored into ``tensor``,
+        else of the last that had it as an argument, or None."""
+        found = None
+        for n in range(len(self.launches) - 1, -1, -1):
+            for pos, arg in enumerate(self.launches[n][0]):
+                if arg is tensor:
+                    if self.launches[n][1].stores(arg=pos):
+                        return n, pos
+                    found = found or (n, pos)
+        return found
+
+
+class _KernelMistake(Exception):
+    """A mistake of the learner's that is not an exception inside the kernel (a bad grid)."""
+
+
+def _check_call(name, kernel, grid, problem, block):
+    if name not in EXERCISES:
+        raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
+    ex = EXERCISES[name]
+    if ex.kernels:
+        if not (isinstance(kernel, (tuple, list)) and len(kernel) == len(ex.kernels)):
+            raise TypeError(f"{name}: kernel must be a tuple of {len(ex.kernels)} @ct.kernel "
+                            f"functions, ({', '.join(ex.kernels)}), got {type(kernel).__name__}")
+    if ex.learner_grid and not callable(grid):
+        raise TypeError(f"{name}: pass your grid function as grid=, e.g. grade({name!r}, "
+                        f"kernel, grid={ex.learner_grid.split('(')[0]}) (it is "
+                        f"{ex.learner_grid} -> the grid)")
+    if not ex.learner_grid and grid is not None:
+        raise TypeError(f"{name}: this exercise gives the grid; grid= is not taken")
+    if problem is not None and (not isinstance(problem, int) or isinstance(problem, bool)
+                                or not 1 <= problem <= len(ex.problems)):
+        raise ValueError(f"problem must be an int from 1 to {len(ex.problems)}, got {problem!r}")
+    if block is not None and not isinstance(block, (int, tuple, list)):
+        raise TypeError(f"block must be an int or a tuple of ints, got {type(block).__name__}")
+    return ex
+
+
+def _is_learner_file(filename):
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    return not path.startswith(_SKIP_DIRS) and not path.startswith(_STDLIB)
+
+
+def _where(filename, line):
+    """'line 5 of the cell' in a notebook, else 'file.py:5'."""
+    if re.search(r"ipykernel_\d+[/\\]\d+\.py$", filename) or filename.startswith("<ipython-input"):
+        return f"line {line} of the cell"
+    if filename.startswith("<"):
+        return f"line {line} of {filename}"
+    return f"{os.path.basename(filename)}:{line}"
+
+
+def _source_line(filename, line):
+    return linecache.getline(filename, line).strip()
+
+
+def _learner_line(exc):
+    """(filename, line) of the innermost frame of the learner's code in the exception's traceback."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if _is_learner_file(filename):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def _block_text(block, grid=None):
+    """(3, 1, 0) -> '(3, 1)' for a 2-d grid: as many axes as the launch's grid has."""
+    axes = 3
+    if grid is not None:
+        while axes > 1 and grid[axes - 1] == 1 and block[axes - 1] == 0:
+            axes -= 1
+    block = tuple(block[:axes])
+    return f"({block[0]},)" if len(block) == 1 else str(block)
+
+
+def _grid_text(grid):
+    """(3, 1, 1) -> '(3,)', (4, 2, 1) -> '(4, 2)': the grid as the learner wrote it."""
+    grid = tuple(grid)
+    while len(grid) > 1 and grid[-1] == 1:
+        grid = grid[:-1]
+    return f"({grid[0]},)" if len(grid) == 1 else str(grid)
+
+
+def _error_message(exc):
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    text = re.sub(r"^\S+:\d+ in \w+: ", "", text)    # the interpreter's own location prefix
+    block = None
+    for note in getattr(exc, "__notes__", ()):
+        m = re.search(r"block \((\d+), (\d+), (\d+)\) of grid \((\d+), (\d+), (\d+)\)", note)
+        if m:
+            values = [int(v) for v in m.groups()]
+            block = _block_text(values[:3], values[3:])
+    where = _learner_line(exc)
+    lines = [f"{'block ' + block + ' ' if block else ''}raised {type(exc).__name__}"
+             + (f" at {_where(*where)}:" if where else ":")]
+    if where and _source_line(*where):
+        lines.append(f"      {_source_line(*where)}")
+    lines.append(f"  {text}")
+    return "\n".join(lines)
+
+
+def _first_wrong(out, ref, tol, only=None):
+    """(index, got, expected) of the first element outside the tolerance, or None. ``only``: a
+    bool mask of the elements to compare."""
     out, ref = out.double(), ref.double()
     bad = ~(torch.abs(out - ref) <= tol * (1 + torch.abs(ref)))
+    bad &= ~(torch.isinf(ref) & (out == ref))
+    if only is not None:
+        bad &= only
     if not bool(bad.any()):
         return None
     index = tuple(int(i) for i in bad.nonzero()[0])
     return index, out[index].item(), ref[index].item()
 
 
-def _strip_location(message):
-    """The interpreter's message without its 'file.py:LINE in kernel: ' prefix (a notebook's
-    file name differs from run to run)."""
-    return re.sub(r"^\S+:\d+ in \w+: ", "", message)
+def _sixteen_bit(out, ref):
+    """True when a float32 output holds only 16-bit floats (all finite values of either kind)
+    while the expected values do not: the mark of a 16-bit accumulator or an early rounding."""
+    if out.dtype != torch.float32 or not bool(torch.isfinite(out).all()):
+        return False
+    for dtype in (torch.float16, torch.bfloat16):
+        if bool((out.to(dtype).float() == out).all()) and not bool((ref.to(dtype).float() == ref).all()):
+            return True
+    return False
 
 
-def check(name, kernel):
-    """Grade ``kernel`` for exercise ``name`` -> Result (nothing printed)."""
-    if name not in EXERCISES:
-        raise ValueError(f"unknown exercise {name!r}; choose from {', '.join(EXERCISES)}")
-    ex = EXERCISES[name]
-    for size in ex.sizes:
-        gen = torch.Generator().manual_seed(1000 + size)
-        inputs = ex.inputs(gen, size)
-        outputs = [torch.full(shape, math.nan, dtype=dtype) for shape, dtype in ex.outputs(*inputs)]
-        try:
-            ex.run(kernel, inputs, outputs)
-        except Exception as e:      # the learner's kernel failed: say how, not a traceback
-            text = _strip_location(str(e).splitlines()[0]) if str(e) else ""
-            return Result(name, False, f"FAIL {name}: the kernel raised {type(e).__name__}: "
-                                       f"{text}\n  hint: {ex.hint}")
-        shape = "x".join(map(str, inputs[0].shape))
-        for k, (out, ref) in enumerate(zip(outputs, ex.spec(*inputs), strict=True)):
-            wrong = _first_wrong(out, ref, ex.tol)
-            if wrong is not None:
-                index, got, expected = wrong
-                what = "never written (still NaN)" if math.isnan(got) else f"{got:.6g}"
-                label = "out" if len(outputs) == 1 else f"output {k}"
-                return Result(name, False,
-                              f"FAIL {name} (input {shape}): {label}{list(index)} is {what}, "
-                              f"expected {expected:.6g}\n  hint: {ex.hint}")
-    return Result(name, True, f"PASS {name}: {len(ex.sizes)} random problems, every element "
-                              f"within {ex.tol:g}")
+def _index_text(index):
+    return "[" + ", ".join(map(str, index)) + "]"
 
 
-def grade(name, kernel):
-    """Grade ``kernel`` for exercise ``name``, print the verdict and return the Result."""
-    result = check(name, kernel)
+def _diagnosis(runner, found, index, got):
+    """What the trace says about a wrong element: who stored it, what that block did."""
+    if found is None:
+        return []
+    launch, pos = found
+    trace = runner.launches[launch][1]
+    name, grid = trace.arg_names[pos], trace.grid
+    writers = trace.writers(pos, index)
+    lines = []
+    if not writers:
+        stores = trace.stores(arg=pos)
+        nblocks = math.prod(grid)
+        if not stores:
+            lines.append(f"no block stored anything into {name} (the grid "
+                         f"{_grid_text(grid)} ran {nblocks} block{'s' * (nblocks > 1)})")
+        else:
+            lines.append(f"no block stored {name}{_index_text(index)}; the grid "
+                         f"{_grid_text(grid)} ran {nblocks} block{'s' * (nblocks > 1)}, which "
+                         f"stored:")
+            for access in stores[:4]:
+                lines.append(f"    block {_block_text(access.block, grid)}: {trace.region(access)}")
+            if len(stores) > 4:
+                lines.append(f"    ... and {len(stores) - 4} more stores")
+        return lines
+    block = writers[-1]
+    kernel = f" of {trace.kernel}" if len(runner.launches) > 1 else ""
+    lines.append(f"block {_block_text(block, grid)}{kernel} stored it; that block:")
+    lines += ["    " + line for line in _shorten(trace.summary(block).splitlines())]
+    if isinstance(got, float) and math.isnan(got):
+        for access in trace.loads(block=block):
+            if access.padded and access.padding_mode == "UNDETERMINED":
+                lines.append(f"  its load at line {access.line} read {access.padded} padding "
+                             f"element{'s' * (access.padded > 1)} of {access.name} with the "
+                             f"default padding_mode (UNDETERMINED: NaN here, anything on a GPU)")
+    return lines
+
+
+def _shorten(lines, keep=4):
+    """The first and last ``keep`` lines of a long list (a loop's loads), the rest counted."""
+    if len(lines) <= 2 * keep + 1:
+        return lines
+    return lines[:keep] + [f"... {len(lines) - 2 * keep} more lines ..."] + lines[-keep:]
+
+
+def _problem_text(ex, k):
+    return f"problem {k + 1} of {len(ex.problems)} ({ex.problems[k]})"
+
+
+def _run_problem(ex, name, kernel, grid, k, block):
+    """-> (None or a FAIL message, runner, output found) for problem k (0-based)."""
+    gen = torch.Generator().manual_seed(1000 + k)
+    inputs = ex.inputs(gen, k)
+    outputs = [torch.full(shape, math.nan, dtype=dtype) for shape, dtype in ex.outputs(*inputs)]
+    runner = _Runner(block, grid)
+    head = f"FAIL {name}, {_problem_text(ex, k)}"
+    try:
+        ex.launch(kernel, inputs, outputs, runner, grid)
+    except _UsageError as e:
+        raise e.args[0] from None
+    except _KernelMistake as e:
+        return f"{head}: {e}", runner, None
+    except Exception as e:      # the learner's kernel (or grid function) failed: say where
+        return f"{head}: {_error_message(e)}", runner, None
+    expected = ex.spec(*inputs)
+    for k_out, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
+        found = runner.find(out)
+        only = None
+        if block is not None:
+            if found is None:
+                continue
+            launch, pos = found
+            trace = runner.launches[launch][1]
+            stored = [a.elements for a in trace.stores(arg=pos)]
+            if not stored:
+                continue
+            only = torch.stack(stored).any(0)
+        wrong = _first_wrong(out, ref, ex.tol, only)
+        if wrong is None:
+            continue
+        index, got, want = wrong
+        label = (runner.launches[found[0]][1].arg_names[found[1]] if found
+                 else "out" if len(outputs) == 1 else f"output {k_out}")
+        what = "never written (still NaN)" if math.isnan(got) and (
+            found is None or not runner.launches[found[0]][1].writers(found[1], index)) \
+            else f"{got:.6g}"
+        lines = [f"{head}: {label}{_index_text(index)} is {what}, expected {want:.6g}"]
+        lines += ["  " + line for line in _diagnosis(runner, found, index, got)]
+        for text, alternative in ex.mistakes:
+            if _first_wrong(out, alternative(*inputs)[k_out], ex.tol, only) is None:
+                lines.append(f"  {label} matches a known mistake: {text}")
+        if _sixteen_bit(out, ref):
+            lines.append(f"  every value in {label} is a float16 (or bfloat16) number, and the "
+                         f"expected ones are not: was it summed or rounded in 16 bits?")
+        return "\n".join(lines), runner, found
+    return None, runner, None
+
+
+def check(name, kernel, *, grid=None, problem=None, block=None):
+    """Grade ``kernel`` for exercise ``name`` -> Result (nothing printed).
+
+    ``grid``: your grid function, for the exercises that ask for one. ``problem``: run only
+    that problem (1, 2, ...). ``block``: run only that block (an int or a tuple), and compare only
+    the elements it stored: a ``print`` in the kernel then prints once per launch."""
+    ex = _check_call(name, kernel, grid, problem, block)
+    problems = range(len(ex.problems)) if problem is None else [problem - 1]
+    runner = None
+    for k in problems:
+        message, runner, found = _run_problem(ex, name, kernel, grid, k, block)
+        if message is not None:
+            return Result(name, False, message + f"\n  hint({name!r}) for a nudge", k + 1,
+                          runner.launches, found)
+    if block is not None:
+        k = problems[0]
+        lines = [f"block {block!r} of {_problem_text(ex, k)}: every element it stored is right "
+                 f"(the other blocks did not run)"]
+        for n, (_, trace) in enumerate(runner.launches):
+            lines.append(f"  launch {n + 1}, block {_block_text(runner.ran_block, trace.grid)}:")
+            lines += ["    " + line for line in trace.summary(runner.ran_block).splitlines()]
+        return Result(name, True, "\n".join(lines), k + 1, runner.launches)
+    scope = (f"{len(ex.problems)} problems" if problem is None
+             else _problem_text(ex, problems[0]))
+    return Result(name, True, f"PASS {name}: {scope}, every element within {ex.tol:g}",
+                  problems[-1] + 1, runner.launches)
+
+
+def _in_notebook():
+    shell = sys.modules.get("IPython")
+    try:
+        return shell is not None and type(shell.get_ipython()).__name__ == "ZMQInteractiveShell"
+    except Exception:
+        return False
+
+
+def grade(name, kernel, *, grid=None, problem=None, block=None):
+    """Grade ``kernel`` for exercise ``name``, print the verdict and return the Result (see
+    ``check``). In a notebook, a FAIL on an element no block stored also draws where the blocks
+    did store (``Result.picture``)."""
+    result = check(name, kernel, grid=grid, problem=problem, block=block)
     print(result.message)
+    if (not result.passed and "never written" in result.message and result.output
+            and result.launches[result.output[0]][1].stores(arg=result.output[1]) and _in_notebook()):
+        from IPython.display import display
+        import matplotlib.pyplot as plt
+        figure = result.picture()
+        display(figure)
+        plt.close(figure)
     return result
+
+
+def hint(name, full=False):
+    """Print exercise ``name``'s nudge, or with ``full=True`` its recipe."""
+    if name not in EXERCISES:
+        raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
+    ex = EXERCISES[name]
+    if full:
+        print(f"{name}, the recipe: {ex.recipe}")
+    else:
+        print(f"{name}, a nudge: {ex.nudge}\n  (still stuck? hint({name!r}, full=True) gives the "
+              f"recipe)")
+
+
+def picture(name, kernel, *, grid=None, problem=1, arg=None, **kwargs):
+    """Run problem ``problem`` of exercise ``name`` and draw what each block loaded and stored
+    of the kernel argument ``arg`` (a position or a parameter name; default: the last output)
+    -> a matplotlib Figure (``ops.tools.picture.draw``)."""
+    ex = _check_call(name, kernel, grid, problem, None)
+    message, runner, _ = _run_problem(ex, name, kernel, grid, problem - 1, None)
+    if not runner.launches:
+        raise ValueError(f"{name}: the kernel did not launch: {message}")
+    from .picture import draw
+    args, trace = runner.launches[-1]
+    if arg is None:
+        outputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        arg = outputs[-1]
+    return draw(trace, arg, **kwargs)

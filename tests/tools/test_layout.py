@@ -29,7 +29,7 @@ OPS = ROOT / "ops"
 LAYERS = ["tools", "api", "pipeline", "kernels", "tuning", "runtime"]   # top to bottom
 # Dependencies a module may need only inside a function: the ones the reference path, the
 # result readers or the benchmarks run without.
-OPTIONAL = ("cuda.tile", "matplotlib", "triton", "mamba_ssm", "tilegym")
+OPTIONAL = ("cuda.tile", "matplotlib", "IPython", "triton", "mamba_ssm", "tilegym")
 
 
 def module_name(path):
