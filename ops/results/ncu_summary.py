@@ -82,8 +82,19 @@ def summary_lines(records, top=4):
 
 
 def main(argv=None):
-    for path in (argv if argv is not None else sys.argv[1:]):
-        print("\n".join(summary_lines(read(path))) or f"{path}: no kernel rows")
+    import argparse
+    parser = argparse.ArgumentParser(
+        description="A few lines per kernel from Nsight Compute's raw CSV page (ncu --import R "
+                    "--csv --page raw): duration, throughput against peak, occupancy, registers, "
+                    "the main warp stall reasons.")
+    parser.add_argument("csv", nargs="+", help="ncu raw-page CSV files")
+    parser.add_argument("--min-us", type=float, default=0.0,
+                        help="leave out kernels shorter than this many microseconds")
+    args = parser.parse_args(argv)
+    for path in args.csv:
+        records = [r for r in read(path)
+                   if r["duration_us"] is None or r["duration_us"] >= args.min_us]
+        print("\n".join(summary_lines(records)) or f"{path}: no kernel rows")
     return 0
 
 

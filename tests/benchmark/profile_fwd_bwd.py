@@ -1,6 +1,14 @@
 """Where a training step's scan spends its GPU time: every kernel's time per step, by name.
 
     python -m tests.benchmark.profile_fwd_bwd --shape 8x2048x80x1 --chunks 128,256 [--steps 10]
+    ncu --profile-from-start off ... python -m tests.benchmark.profile_fwd_bwd --ncu \
+        --impl cutile --chunks 128 --shape 8x2048x80x1      # one step for Nsight Compute
+
+With ``--ncu``, one implementation (``--impl``, at the first of ``--chunks``; TileGym at its own
+``--chunks`` value too) runs three warm-up steps, then one step between ``cudaProfilerStart`` and
+``cudaProfilerStop``, so that ``ncu --profile-from-start off`` profiles that step's kernels only
+(``tests/benchmark/profile_ncu.sh`` with ``PASS=fwd_bwd``). Not an NVTX range: NVTX ranges belong
+to a thread, and autograd launches the backward's kernels from a thread of its own.
 
 At batch x seqlen x nheads x ngroups (headdim 64, dstate ``--dstate``, bf16, D, dt_bias,
 softplus; ``fwd_bwd.py``'s inputs), mamba_ssm's Triton scan at chunk 256 and this project's at each
@@ -36,6 +44,23 @@ def kernel_times(impl, chunk, shape, steps):
     return totals
 
 
+def one_step_for_ncu(impl, chunk, shape):
+    """Three warm-up steps, then one between cudaProfilerStart and cudaProfilerStop."""
+    from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup, _tilegym_step
+    inputs, dout = _setup(shape)
+    leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
+    step = (_tilegym_step(chunk, leaves, dout) if impl == "tilegym"
+            else _autograd_step(impl, chunk, leaves, dout))[0]
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"profiled one step of {impl} at chunk {chunk}, {shape}", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="8x2048x80x1", help="batch x seqlen x nheads x ngroups")
@@ -43,12 +68,19 @@ def main(argv=None):
     parser.add_argument("--chunks", default="128,256", help="this project's chunks")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=20, help="kernels listed per implementation")
+    parser.add_argument("--ncu", action="store_true",
+                        help="one step of --impl between cudaProfilerStart/Stop, for ncu")
+    parser.add_argument("--impl", default="cutile", choices=("triton", "cutile", "tilegym"),
+                        help="with --ncu: the implementation profiled")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_fwd_bwd needs a CUDA GPU")
     batch, seqlen, nheads, ngroups = (int(v) for v in args.shape.split("x"))
     shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, ngroups=ngroups,
                  dstate=args.dstate)
+    if args.ncu:
+        one_step_for_ncu(args.impl, int(args.chunks.split(",")[0]), shape)
+        return
     runs = [("triton", 256)] + [("cutile", int(c)) for c in args.chunks.split(",")]
     for impl, chunk in runs:
         totals = kernel_times(impl, chunk, shape, args.steps)
