@@ -7,6 +7,7 @@ occupancy against the theoretical one, registers per thread, and the warp stall 
 the most (cycles a warp spends stalled per issued instruction, by reason). A metric the CSV lacks
 (another ncu version, another section set) is shown as "-".
 """
+import argparse
 import csv
 import re
 import sys
@@ -82,7 +83,6 @@ def summary_lines(records, top=4):
 
 
 def main(argv=None):
-    import argparse
     parser = argparse.ArgumentParser(
         description="A few lines per kernel from Nsight Compute's raw CSV page (ncu --import R "
                     "--csv --page raw): duration, throughput against peak, occupancy, registers, "
