@@ -27,6 +27,9 @@ import math
 import torch
 
 from ops.checks import cdiv
+from ops.core.chunk_cumsum import chunk_cumsum_core_kernel
+from ops.core.compute_out import compute_out_core_kernel
+from ops.core.fwd_pass_state import fwd_pass_state_core_kernel
 from ops.kernels.common import LOG2E
 from reference import chunked
 from reference.sequential import ssd_sequential
@@ -46,6 +49,8 @@ class Exercise:
     learner_grid: str = ""  # for exercises where the learner writes the grid: the grid
                             # function's signature, e.g. "row_sums_grid(M, N)"
     kernels: tuple = ()     # for an exercise of several kernels: their names, in launch order
+    given: object = None    # () -> the project's own kernels for this exercise, which the
+                            # grader refuses as an answer
     mistakes: tuple = ()    # (what the mistake is, *inputs -> the outputs it gives): when a wrong
                             # output matches one of these, the FAIL says so
 
@@ -141,7 +146,7 @@ WARMUP = {
     "matmul": Exercise(
         title="A matrix product on the tensor cores",
         problems=("K = 64", "K = 128, a 2 x 2 grid",
-                  "K = 512: a float16 accumulator loses bits over this many terms"),
+                  "K = 512: the longest sums"),
         inputs=lambda g, k: (_randn(g, TM * (1, 2, 1)[k], (64, 128, 512)[k], dtype=torch.float16),
                              _randn(g, (64, 128, 512)[k], TN * (1, 2, 1)[k], dtype=torch.float16)),
         outputs=lambda a, b: [((a.shape[0], b.shape[1]), torch.float32)],
@@ -355,8 +360,8 @@ KERNELS = {
         title="Softmax along rows",
         problems=("24 x 128: whole rows, logits of order 1",
                   "24 x 100: 28 padded columns per row",
-                  "24 x 77, logits up to a few hundred: exp overflows unless the row's maximum "
-                  "is subtracted first"),
+                  "24 x 77, logits up to a few hundred: exp of a logit overflows float32 "
+                  "past 88"),
         inputs=_softmax_inputs,
         outputs=_one_output,
         launch=lambda kern, i, o, run, grid: run(cdiv(i[0].shape[0], TM), kern, (*i, *o, TM, RN)),
@@ -393,8 +398,7 @@ KERNELS = {
     "matmul_k": Exercise(
         title="A blocked product whose shared dimension ends in a partial tile",
         problems=("K = 64: whole tiles", "K = 200: a partial last K tile",
-                  "K = 520: a partial last tile, and enough terms that a float16 accumulator "
-                  "loses bits"),
+                  "K = 520: a partial last tile after 16 whole ones"),
         inputs=lambda g, k: (_randn(g, 32, (64, 200, 520)[k], dtype=torch.float16),
                              _randn(g, (64, 200, 520)[k], 64, dtype=torch.float16)),
         outputs=lambda a, b: [((a.shape[0], b.shape[1]), torch.float32)],
@@ -454,6 +458,7 @@ KERNELS = {
         tol=2e-2,       # float16 entry states and outputs (2^-11 relative) from float16 products
                         # of up to 192 tokens' terms, against float64
         kernels=("chunk_cumsum", "fwd_pass_state", "compute_out"),
+        given=lambda: (chunk_cumsum_core_kernel, fwd_pass_state_core_kernel, compute_out_core_kernel),
         mistakes=(("decays in natural-log units: chunk_cumsum keeps them in log2 units (times "
                    "LOG2E), for exp2", lambda *i: _ssd_spec(*i, log2=False)),),
         nudge="A FAIL names the first wrong array in launch order (dt_out, dA_cumsum, "

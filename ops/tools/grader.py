@@ -44,6 +44,7 @@ import torch
 
 import cuda.tile as ct
 from ops import interpreter
+from ops.runtime.cutile_internals import kernel_function
 
 from .exercises import EXERCISES
 
@@ -88,12 +89,16 @@ class _Runner:
 
     def __init__(self, block, grid_function):
         self.block, self.grid_function, self.launches = block, grid_function, []
+        self.ranks = []             # each launch's grid rank, as the exercise gave it
+        self.current = None         # (kernel name, grid rank) of the launch running
 
     def __call__(self, grid, kernel, args):
         if not isinstance(kernel, ct.kernel):
             raise _UsageError(TypeError(
                 f"the kernel must be a @ct.kernel function, got {type(kernel).__name__} "
                 f"{getattr(kernel, '__name__', '')!r}: is @ct.kernel missing above its def?"))
+        rank = 1 if isinstance(grid, int) else len(tuple(grid))
+        self.current = (getattr(kernel_function(kernel), "__name__", "kernel"), rank)
         grid = self._grid(grid)
         blocks = None
         if self.block is not None:
@@ -106,6 +111,7 @@ class _Runner:
             self.ran_block = block + (0,) * (3 - len(block))
         trace = interpreter.launch(grid, kernel, args, record=True, blocks=blocks)
         self.launches.append((tuple(args), trace))
+        self.ranks.append(rank)
 
     def _grid(self, grid):
         grid = (grid,) if isinstance(grid, int) else grid
@@ -143,6 +149,9 @@ def _check_call(name, kernel, grid, problem, block):
         if not (isinstance(kernel, (tuple, list)) and len(kernel) == len(ex.kernels)):
             raise TypeError(f"{name}: kernel must be a tuple of {len(ex.kernels)} @ct.kernel "
                             f"functions, ({', '.join(ex.kernels)}), got {type(kernel).__name__}")
+        if ex.given and all(k is g for k, g in zip(kernel, ex.given())):
+            raise ValueError(f"{name}: these are the course's own kernels (ops/core/); the "
+                             f"exercise is to write yours")
     if ex.learner_grid and not callable(grid):
         raise TypeError(f"{name}: pass your grid function as grid=, e.g. grade({name!r}, "
                         f"kernel, grid={ex.learner_grid.split('(')[0]}) (it is "
@@ -186,33 +195,23 @@ def _learner_line(exc):
     return found
 
 
-def _block_text(block, grid=None):
-    """(3, 1, 0) -> '(3, 1)' for a 2-d grid: as many axes as the launch's grid has."""
-    axes = 3
-    if grid is not None:
-        while axes > 1 and grid[axes - 1] == 1 and block[axes - 1] == 0:
-            axes -= 1
-    block = tuple(block[:axes])
+def _block_text(block, rank=3):
+    """(3, 1, 0) -> '(3, 1)' for a launch whose grid has 2 axes: as the exercise wrote the grid."""
+    block = tuple(block[:rank])
     return f"({block[0]},)" if len(block) == 1 else str(block)
 
 
-def _grid_text(grid):
-    """(3, 1, 1) -> '(3,)', (4, 2, 1) -> '(4, 2)': the grid as the learner wrote it."""
-    grid = tuple(grid)
-    while len(grid) > 1 and grid[-1] == 1:
-        grid = grid[:-1]
-    return f"({grid[0]},)" if len(grid) == 1 else str(grid)
-
-
-def _error_message(exc):
+def _error_message(exc, runner):
     text = str(exc).splitlines()[0] if str(exc) else ""
     text = re.sub(r"^\S+:\d+ in \w+: ", "", text)    # the interpreter's own location prefix
     block = None
+    kernel, rank = runner.current or ("", 3)
     for note in getattr(exc, "__notes__", ()):
-        m = re.search(r"block \((\d+), (\d+), (\d+)\) of grid \((\d+), (\d+), (\d+)\)", note)
+        m = re.search(r"block \((\d+), (\d+), (\d+)\) of grid", note)
         if m:
-            values = [int(v) for v in m.groups()]
-            block = _block_text(values[:3], values[3:])
+            block = _block_text([int(v) for v in m.groups()], rank)
+    if block and runner.several:
+        block += f" of {kernel}"
     where = _learner_line(exc)
     lines = [f"{'block ' + block + ' ' if block else ''}raised {type(exc).__name__}"
              + (f" at {_where(*where)}:" if where else ":")]
@@ -256,7 +255,7 @@ def _diagnosis(runner, found, index, got):
     if found is None:
         return []
     launch, pos = found
-    trace = runner.launches[launch][1]
+    trace, rank = runner.launches[launch][1], runner.ranks[launch]
     name, grid = trace.arg_names[pos], trace.grid
     writers = trace.writers(pos, index)
     lines = []
@@ -265,19 +264,19 @@ def _diagnosis(runner, found, index, got):
         nblocks = math.prod(grid)
         if not stores:
             lines.append(f"no block stored anything into {name} (the grid "
-                         f"{_grid_text(grid)} ran {nblocks} block{'s' * (nblocks > 1)})")
+                         f"{_block_text(grid, rank)} ran {nblocks} block{'s' * (nblocks > 1)})")
         else:
             lines.append(f"no block stored {name}{_index_text(index)}; the grid "
-                         f"{_grid_text(grid)} ran {nblocks} block{'s' * (nblocks > 1)}, which "
+                         f"{_block_text(grid, rank)} ran {nblocks} block{'s' * (nblocks > 1)}, which "
                          f"stored:")
             for access in stores[:4]:
-                lines.append(f"    block {_block_text(access.block, grid)}: {trace.region(access)}")
+                lines.append(f"    block {_block_text(access.block, rank)}: {trace.region(access)}")
             if len(stores) > 4:
                 lines.append(f"    ... and {len(stores) - 4} more stores")
         return lines
     block = writers[-1]
-    kernel = f" of {trace.kernel}" if len(runner.launches) > 1 else ""
-    lines.append(f"block {_block_text(block, grid)}{kernel} stored it; that block:")
+    kernel = f" of {trace.kernel}" if runner.several else ""
+    lines.append(f"block {_block_text(block, rank)}{kernel} stored it; that block:")
     lines += ["    " + line for line in _shorten(trace.summary(block).splitlines())]
     if isinstance(got, float) and math.isnan(got):
         for access in trace.loads(block=block):
@@ -305,6 +304,7 @@ def _run_problem(ex, name, kernel, grid, k, block):
     inputs = ex.inputs(gen, k)
     outputs = [torch.full(shape, math.nan, dtype=dtype) for shape, dtype in ex.outputs(*inputs)]
     runner = _Runner(block, grid)
+    runner.several = bool(ex.kernels)
     head = f"FAIL {name}, {_problem_text(ex, k)}"
     try:
         ex.launch(kernel, inputs, outputs, runner, grid)
@@ -313,7 +313,7 @@ def _run_problem(ex, name, kernel, grid, k, block):
     except _KernelMistake as e:
         return f"{head}: {e}", runner, None
     except Exception as e:      # the learner's kernel (or grid function) failed: say where
-        return f"{head}: {_error_message(e)}", runner, None
+        return f"{head}: {_error_message(e, runner)}", runner, None
     expected = ex.spec(*inputs)
     for k_out, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         found = runner.find(out)
@@ -367,7 +367,7 @@ def check(name, kernel, *, grid=None, problem=None, block=None):
         lines = [f"block {block!r} of {_problem_text(ex, k)}: every element it stored is right "
                  f"(the other blocks did not run)"]
         for n, (_, trace) in enumerate(runner.launches):
-            lines.append(f"  launch {n + 1}, block {_block_text(runner.ran_block, trace.grid)}:")
+            lines.append(f"  launch {n + 1}, block {_block_text(runner.ran_block, runner.ranks[n])}:")
             lines += ["    " + line for line in trace.summary(runner.ran_block).splitlines()]
         return Result(name, True, "\n".join(lines), k + 1, runner.launches)
     scope = (f"{len(ex.problems)} problems" if problem is None

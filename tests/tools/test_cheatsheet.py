@@ -441,6 +441,27 @@ def test_cdiv():
     torch.testing.assert_close(out, a + 3)
 
 
+@ct.kernel
+def sum_columns_to_dtype(a, out, TN: ct.Constant[int]):
+    acc = ct.zeros((1,), dtype=ct.float32)
+    for j in range(ct.cdiv(a.shape[1], TN)):
+        acc = acc + ct.sum(ct.load(a, (0, j), shape=(1, TN), padding_mode=ct.PaddingMode.ZERO))
+    ct.store(out, (0,), acc.astype(out.dtype))
+
+
+@claim("The model", "a.shape[1]")
+def test_array_shape_and_dtype_in_a_kernel():
+    """An array argument's ``.shape`` and ``.dtype`` are read inside the kernel: a loop bound from
+    ``a.shape[1]``, a conversion to ``out.dtype`` before the store; it compiles too."""
+    assert_note("The model", "a.shape[1]", "loop bounds", "before a store")
+    a, out = rand(1, 100), torch.full((1,), float("nan"), dtype=torch.bfloat16)
+    launch((1,), sum_columns_to_dtype, (a, out, 32))
+    torch.testing.assert_close(out.float(), a.sum(1, keepdim=True)[0].bfloat16().float(),
+                               atol=0.05, rtol=0.01)      # one bfloat16 rounding of a sum ~10
+    assert aot.compile_cubin(sum_columns_to_dtype, (meta(1, 100), meta(1, dtype=torch.bfloat16), 32),
+                             "sm_90")
+
+
 @claim("The model", "ct.launch")
 def test_launch_on_gpu_or_cpu():
     """``ct.launch(stream, grid, kernel, args)``; ``ops.runtime.launch.launch(grid, kernel, args)``,

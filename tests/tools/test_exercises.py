@@ -182,6 +182,17 @@ def test_one_block_of_a_wrong_kernel_fails_on_its_own_elements():
     assert not result.passed and "out[16] is nan" in result.message
 
 
+def test_blocks_are_named_with_the_grids_own_axes_and_kernel():
+    """A 2-d grid's block is (i, j) even when the grid is (1, 1); in a chain of kernels the block's
+    kernel is named, for an error as for a wrong element."""
+    error = check("matmul", wrong_answers.matmul_fp16_acc)
+    assert "block (0, 0) stored it" in error.message
+    chain = check("ssd_forward", (wrong_answers.chunk_cumsum_core_kernel,
+                                  wrong_answers.ssd_states_no_decay,
+                                  wrong_answers.compute_out_core_kernel))
+    assert "stored it" in chain.message and " of ssd_states_no_decay stored it" in chain.message
+
+
 def test_a_grid_function_that_returns_no_grid_is_named():
     result = check("row_sums", wrong_answers.row_sums_right, grid=lambda M, N: (M / 16,))
     assert "your grid function <lambda> returned (2.0,)" in result.message
@@ -199,6 +210,8 @@ def test_a_grid_function_that_returns_no_grid_is_named():
      "block=99 is not a block of this launch's grid"),
     (lambda: check("ssd_forward", wrong_answers.ssd_states_no_decay), TypeError, "a tuple of 3 @ct.kernel"),
     (lambda: grader.hint("nope"), ValueError, "unknown exercise 'nope'"),
+    (lambda: check("ssd_forward", EXERCISES["ssd_forward"].given()), ValueError,
+     "these are the course's own kernels"),
 ])
 def test_bad_calls_are_named(call, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
