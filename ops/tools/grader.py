@@ -97,9 +97,10 @@ class _Runner:
             raise _UsageError(TypeError(
                 f"the kernel must be a @ct.kernel function, got {type(kernel).__name__} "
                 f"{getattr(kernel, '__name__', '')!r}: is @ct.kernel missing above its def?"))
-        rank = 1 if isinstance(grid, int) else len(tuple(grid))
+        full = self._grid(grid)
+        rank = 1 if isinstance(grid, int) else len(grid)
         self.current = (getattr(kernel_function(kernel), "__name__", "kernel"), rank)
-        grid = self._grid(grid)
+        grid = full
         blocks = None
         if self.block is not None:
             block = (self.block,) if isinstance(self.block, int) else tuple(self.block)
@@ -118,7 +119,7 @@ class _Runner:
         ok = (isinstance(grid, tuple) and 1 <= len(grid) <= 3
               and all(isinstance(g, int) and g > 0 for g in grid))
         if not ok:
-            who = (f"your grid function {self.grid_function.__name__} returned"
+            who = (f"your grid function {getattr(self.grid_function, '__name__', '')} returned"
                    if self.grid_function else "the grid is")
             raise _KernelMistake(f"{who} {grid!r}: a grid is a positive int or a tuple of 1 to 3 "
                                  f"positive ints (ct.cdiv rounds up)")
