@@ -139,20 +139,17 @@ def nan_padding(monkeypatch):
 
 @ct.kernel
 def tile_of_48(a, out):
-    t = ct.load(a, (0,), shape=(48,))  # mistake
-    ct.store(out, (0,), t)
+    ct.store(out, (0,), ct.load(a, (0,), shape=(48,)))  # mistake
 
 
 @ct.kernel
 def index_of_rank_1(a, out):
-    t = ct.load(a, (0,), shape=(16,))  # mistake
-    ct.store(out, (0,), t)
+    ct.store(out, (0,), ct.load(a, (0,), shape=(16,)))  # mistake
 
 
 @ct.kernel
 def shape_of_rank_1(a, out):
-    t = ct.load(a, (0, 0), shape=(16,))  # mistake
-    ct.store(out, (0,), t)
+    ct.store(out, (0,), ct.load(a, (0, 0), shape=(16,)))  # mistake
 
 
 @ct.kernel
@@ -171,8 +168,7 @@ def mma_of_mixed_dtypes(x, y, out):
 
 @ct.kernel
 def tile_outside(a, out):
-    t = ct.load(a, (4,), shape=(16,))  # mistake
-    ct.store(out, (0,), t)
+    ct.store(out, (0,), ct.load(a, (4,), shape=(16,)))  # mistake
 
 
 @ct.kernel
