@@ -188,6 +188,14 @@ CHUNK_OUTPUT_MISTAKES = (
 )
 
 
+def _decay_to_end(dt, A, inclusive=False, exp=torch.exp2):
+    """exp2 of the sum of dt * A * log2(e) over the tokens after t (and t itself if inclusive),
+    heads along the rows: (h, tokens)."""
+    v = (dt * A).t() * LOG2E
+    after = v.sum(1, keepdim=True) - v.cumsum(1) + (v if inclusive else 0)
+    return exp(after)
+
+
 def _state_passing_spec(states, decay, exp=torch.exp2):
     entry, state = torch.empty_like(states), torch.zeros_like(states[0])
     for c in range(states.shape[0]):
@@ -200,27 +208,29 @@ TP = 32     # state_passing's rows of the state per block
 
 
 YOUR_TURN = {
-    # 03: dt processing and the decay cumsum, heads along the rows.
-    "dt_cumsum": Exercise(
-        title="Process dt and sum the decays (notebook 03)",
-        problems=("dt of order 1", "dt of order 1, another draw",
-                  "dt + bias up to 120: log(1 + exp(v)) overflows float32 past v = 88"),
-        inputs=lambda g, k: (_randn(g, CHUNK, 8) * 2 + (0.0, 0.0, 60.0)[k] * _rand(g, CHUNK, 8) * 2,
-                             -_rand(g, 8) - 0.1, _randn(g, 8) * 0.5),
-        outputs=lambda dt, A, bias: [((8, CHUNK), torch.float32)],
+    # 03: each token's decay to the end of its chunk: a scan, read backwards.
+    "decay_to_end": Exercise(
+        title="Each token's decay to the end of its chunk (notebook 03)",
+        problems=("a whole chunk of 64 tokens, slow decays",
+                  "a whole chunk, fast decays (dt up to 10)",
+                  "a last chunk of 40 tokens: 24 padded"),
+        inputs=lambda g, k: (_rand(g, (64, 64, 40)[k], 8) * (1.0, 10.0, 1.0)[k] + 0.01,
+                             -_rand(g, 8) - 0.1),
+        outputs=lambda dt, A: [((8, dt.shape[0]), torch.float32)],
         launch=lambda kern, i, o, run, grid: run(1, kern, (*i, *o, CHUNK, 8)),
-        spec=lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1)
-                                  * LOG2E,),
-        tol=1e-5,       # float32 softplus and a 64-term running sum: a few ulps of the sum
-        mistakes=(("the sum in natural-log units: the decays are kept in log2 units (times LOG2E)",
-                   lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1),)),
-                  ("no softplus: dt + bias used as it is",
-                   lambda dt, A, bias: (((dt + bias) * A).t().cumsum(1) * LOG2E,))),
-        nudge="Heads are rows of out but columns of dt: how does the load turn them? And for "
-              "large v, softplus(v) is v to float32's precision: what does exp(v) give there?",
-        recipe="v = ct.load(dt, (0, 0), shape=(H, CHUNK), order=(1, 0)) + bias[:, None]; "
-               "softplus = ct.where(v > 20, v, ct.log(1 + ct.exp(ct.minimum(v, 20)))); "
-               "ct.cumsum(softplus * (A * LOG2E)[:, None], axis=1)"),
+        spec=lambda dt, A: (_decay_to_end(dt, A),),
+        tol=1e-4,       # the exponent is a difference of float32 sums that reach ~1000 with fast
+                        # decays (ulp 6e-5), and exp2 turns an absolute error e of it into e*ln 2
+                        # relative: ~4e-5 where the decay is near 1
+        mistakes=(("the sum including token t itself: the decay to the end starts after t",
+                   lambda dt, A: (_decay_to_end(dt, A, inclusive=True),)),
+                  ("exp (base e) of a sum in log2 units: exp2",
+                   lambda dt, A: (_decay_to_end(dt, A, exp=torch.exp),))),
+        nudge="ct.cumsum runs forwards. How do the sum of everything after t and the running "
+              "sum up to t relate, given the chunk's total? And what must a padded token add?",
+        recipe="v = ct.load(dt, (0, 0), shape=(H, CHUNK), order=(1, 0), padding_mode=ZERO) * "
+               "(A * LOG2E)[:, None]; run = ct.cumsum(v, axis=1); total = ct.sum(v, axis=1, "
+               "keepdims=True); ct.store(out, (0, 0), ct.exp2(total - run))"),
     # 04: the pass over the chunks, as its own kernel: a loop that carries the state.
     "state_passing": Exercise(
         title="Pass the state from chunk to chunk (notebook 04)",
@@ -341,6 +351,27 @@ def _ssd_spec(x, dt, A, B, C, log2=True):
 
 
 KERNELS = {
+    # dt processing and the decay cumsum, heads along the rows (notebook 03's production kernel).
+    "dt_cumsum": Exercise(
+        title="Process dt and sum the decays",
+        problems=("dt of order 1", "dt of order 1, another draw",
+                  "dt + bias up to 120: log(1 + exp(v)) overflows float32 past v = 88"),
+        inputs=lambda g, k: (_randn(g, CHUNK, 8) * 2 + (0.0, 0.0, 60.0)[k] * _rand(g, CHUNK, 8) * 2,
+                             -_rand(g, 8) - 0.1, _randn(g, 8) * 0.5),
+        outputs=lambda dt, A, bias: [((8, CHUNK), torch.float32)],
+        launch=lambda kern, i, o, run, grid: run(1, kern, (*i, *o, CHUNK, 8)),
+        spec=lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1)
+                                  * LOG2E,),
+        tol=1e-5,       # float32 softplus and a 64-term running sum: a few ulps of the sum
+        mistakes=(("the sum in natural-log units: the decays are kept in log2 units (times LOG2E)",
+                   lambda dt, A, bias: ((torch.nn.functional.softplus(dt + bias) * A).t().cumsum(1),)),
+                  ("no softplus: dt + bias used as it is",
+                   lambda dt, A, bias: (((dt + bias) * A).t().cumsum(1) * LOG2E,))),
+        nudge="Heads are rows of out but columns of dt: how does the load turn them? And for "
+              "large v, softplus(v) is v to float32's precision: what does exp(v) give there?",
+        recipe="v = ct.load(dt, (0, 0), shape=(H, CHUNK), order=(1, 0)) + bias[:, None]; "
+               "softplus = ct.where(v > 20, v, ct.log(1 + ct.exp(ct.minimum(v, 20)))); "
+               "ct.cumsum(softplus * (A * LOG2E)[:, None], axis=1)"),
     "row_sums": Exercise(
         title="Row sums: your grid, your loop",
         problems=("32 x 128: whole tiles", "50 x 300: a partial last tile on both axes",

@@ -63,6 +63,14 @@ def matmul_fp16_acc(a, b, out, TM: ConstInt, TN: ConstInt, TK: ConstInt):
     ct.store(out, (i, j), acc.astype(out.dtype))
 
 
+# decay_to_end: the sum including token t itself.
+@ct.kernel
+def decay_to_end_inclusive(dt, A, out, CHUNK: ConstInt, H: ConstInt):
+    a = ct.load(A, (0,), shape=(H,)) * 1.4426950408889634
+    v = ct.load(dt, (0, 0), shape=(H, CHUNK), order=(1, 0), padding_mode=ZERO) * a[:, None]
+    ct.store(out, (0, 0), ct.exp2(ct.sum(v, axis=1, keepdims=True) - ct.cumsum(v, axis=1) + v))
+
+
 # dt_cumsum: softplus as log(1 + exp(v)), which overflows for large v.
 @ct.kernel
 def dt_cumsum_naive_softplus(dt, A, dt_bias, out, CHUNK: ConstInt, H: ConstInt):
@@ -246,6 +254,7 @@ WRONG = [
     ("row_cumsum", row_cumsum_axis0, None, "block (0,) stored it"),
     ("causal_decay", causal_decay_mask_after, None, "exp2 of an unmasked exponent overflows"),
     ("matmul", matmul_fp16_acc, None, "summed or rounded in 16 bits"),
+    ("decay_to_end", decay_to_end_inclusive, None, "the sum including token t itself"),
     ("dt_cumsum", dt_cumsum_naive_softplus, None, "log(1 + exp(v)) overflows"),
     ("state_passing", state_passing_store_after, None, "entry[0, 0, 0] is"),
     ("chunk_output_partial", chunk_output_partial_default_padding, None,
