@@ -82,6 +82,34 @@ def summary_lines(records, top=4):
     return lines
 
 
+LINE = re.compile(r"(?P<name>.+?): (?P<duration_us>[\d.]+) us; SM (?P<sm_pct>[\d.]+)% memory "
+                  r"(?P<mem_pct>[\d.]+)% of peak; occupancy (?P<occupancy_pct>[\d.]+)% \(theoretical "
+                  r"(?P<theoretical_occupancy_pct>[\d.]+)%\); (?P<registers>\d+) registers; grid "
+                  r"(?P<grid>\d+) x (?P<block>\d+)$")
+STALL_ITEM = re.compile(r"(\w+) ([\d.]+) \(\d+%\)")
+
+
+def read_summary(path):
+    """The text ``summary_lines`` writes, read back -> {section: [record]}: a line starting with
+    "## " opens a section (the part of a results file one run wrote); each kernel line becomes a
+    dict like ``read``'s (name, the COLUMNS as numbers, stalls {reason: ratio}, the top reasons
+    only). Lines of neither kind (comments, blank lines) are skipped. A committed profile keeps
+    this summary rather than ncu's raw page, which is forty times larger."""
+    sections, current = {}, None
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.startswith("## "):
+                current = sections.setdefault(line[3:].strip(), [])
+            elif current is not None and (m := LINE.match(line)):
+                rec = {k: (v if k == "name" else float(v)) for k, v in m.groupdict().items()}
+                rec["stalls"] = {}
+                current.append(rec)
+            elif current and line.strip().startswith("stalls per issued instruction:"):
+                current[-1]["stalls"] = {k: float(v) for k, v in STALL_ITEM.findall(line)}
+    return sections
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="A few lines per kernel from Nsight Compute's raw CSV page (ncu --import R "
