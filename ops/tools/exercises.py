@@ -5,12 +5,13 @@
 03, 04 and 05. Every exercise obeys four rules, each checked by ``tests/tools/test_exercises.py``:
 
 * **The problems catch the mistake the exercise warns about.** Each problem has a label saying
-  what it stresses, and the grader prints it on a FAIL, so the label names the mistake: a last
-  tile that sticks out where padding reaches a sum, logits large enough to overflow ``exp``
-  unless the row maximum is subtracted first, decays fast enough that ``exp2`` of an unmasked
-  exponent is infinite, a shared dimension long enough that a float16 accumulator visibly loses
-  bits. The problems run in order, easy first, so a wrong answer fails on the first problem that
-  exposes it. A plausible wrong answer for each exercise is kept in the tests, and must fail.
+  what it stresses (what goes wrong there, not how to avoid it), and the grader prints it on a
+  FAIL: a last tile that sticks out where padding reaches a sum, logits large enough that
+  ``exp`` of them overflows, decays fast enough that ``exp2`` of an unmasked exponent is
+  infinite, positive sums long enough that a float16 accumulator shows. The problems run in
+  order, easy first, so a wrong answer fails on the first problem that exposes it. ``mistakes``
+  lists outputs that known mistakes produce, so a FAIL can name one. A plausible wrong answer
+  for each exercise is kept in the tests, and must fail.
 * **Inputs are random, never zeros**, from a seeded generator (the same problems every run).
 * **Tolerances say why**: a comment beside each, from the dtype and the length of the sums.
 * **Two hints**: ``nudge`` points at what to think about; ``recipe`` says what to write. The
