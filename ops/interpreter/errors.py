@@ -10,23 +10,29 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 CUDA_TILE_DIR = os.path.dirname(os.path.abspath(ct.__file__))
 
 
-def kernel_location():
-    """'file.py:LINE in function' of the innermost frame outside the interpreter.
+def kernel_frame():
+    """(file, line, function) of the innermost frame outside the interpreter and cuTile.
 
-    When an operation fails, the Python stack is: kernel line -> cuTile's
-    stub wrapper -> the interpreter's modules.  Skipping the frames of every
-    file of this package and of cuTile leaves the kernel's (or its helper's)
-    line.
+    When an operation runs, the Python stack is: kernel line -> cuTile's stub wrapper -> the
+    interpreter's modules.  Skipping the frames of every file of this package and of cuTile
+    leaves the kernel's (or its helper's) line.
     """
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if (not filename.startswith(PACKAGE_DIR + os.sep)
                 and not filename.startswith(CUDA_TILE_DIR)):
-            name = os.path.basename(filename)
-            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+            return filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
-    return "<kernel>"
+    return "<kernel>", 0, "<kernel>"
+
+
+def kernel_location():
+    """'file.py:LINE in function' of the kernel line running (``kernel_frame``)."""
+    filename, line, function = kernel_frame()
+    if filename == "<kernel>":
+        return "<kernel>"
+    return f"{os.path.basename(filename)}:{line} in {function}"
 
 
 class KernelError(Exception):

@@ -14,7 +14,7 @@ from .arguments import as_int, axis_index, check_shape, constant, int_tuple
 from .dtypes import convert, dtype_of_scalar, is_scalar, kind, storage, widens_to
 from .errors import KernelTypeError, KernelValueError, kernel_location
 from .registry import emulates
-from .trace import ACTIVE as RECORDING
+from .trace import record_region
 from .values import Array, Tile
 
 
@@ -178,9 +178,7 @@ def load(array, /, index, shape, *, order="C", padding_mode=PaddingMode.UNDETERM
         fill = padding_fill(op, padding_mode, array.dtype)
         data = torch.full(full_shape, fill, dtype=view.dtype)
         data[inside] = view[region]
-    recorder = RECORDING.get()
-    if recorder is not None:
-        recorder.region(op, "load", array, region, shape, order=axes, padding_mode=padding_mode)
+    record_region(op, "load", array, region, shape, order=axes, padding_mode=padding_mode)
     return Tile(data.reshape(shape), array.dtype)
 
 
@@ -230,10 +228,8 @@ def store(array, /, index, tile, *, order="C", check_bounds=True, latency=None,
     view = _array_view(array, axes)
     region, inside = _tile_region(op, view.shape, index, data.shape, check_bounds)
     view[region] = data if inside is None else data[inside]
-    recorder = RECORDING.get()
-    if recorder is not None:
-        recorder.region(op, "store", array, region, tile.shape if isinstance(tile, Tile) else (),
-                        order=axes)
+    record_region(op, "store", array, region, tile.shape if isinstance(tile, Tile) else (),
+                  order=axes)
 
 
 @emulates("num_tiles")

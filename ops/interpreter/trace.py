@@ -34,12 +34,11 @@ import contextvars
 import dataclasses
 import math
 import os
-import sys
 import warnings
 
 import torch
 
-from .errors import CUDA_TILE_DIR, PACKAGE_DIR
+from .errors import kernel_frame
 
 # The recorder of the launch running on this thread; None (the common case) when not recording.
 ACTIVE = contextvars.ContextVar("interpreter_trace", default=None)
@@ -257,19 +256,6 @@ class Trace:
         return "\n".join(lines)
 
 
-def _kernel_frame():
-    """(file, line, function) of the innermost frame outside this package and cuda.tile: the
-    kernel line that called the operation (the walk of ``errors.kernel_location``)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if (not filename.startswith(PACKAGE_DIR + os.sep)
-                and not filename.startswith(CUDA_TILE_DIR)):
-            return filename, frame.f_lineno, frame.f_code.co_name
-        frame = frame.f_back
-    return "<kernel>", 0, "<kernel>"
-
-
 def _decode(offsets, base):
     """The indices into ``base`` of the storage offsets ``offsets`` (int64, in elements), one
     tensor per axis; None unless every offset is an element of ``base``.  Axes are taken from
@@ -287,6 +273,16 @@ def _decode(offsets, base):
     if not bool((rest == 0).all()):
         return None
     return indices
+
+
+def record_region(op, kind, array, region, tile_shape, **kwargs):
+    """Report a box access to the launch's `Recorder`, if it records (``Recorder.region``): the
+    one call ``ct.load``, ``ct.store`` and a tiled view's loads and stores make (their arguments
+    are already computed; the element-wise operations check ``ACTIVE`` themselves, since theirs
+    cost work to build)."""
+    recorder = ACTIVE.get()
+    if recorder is not None:
+        recorder.region(op, kind, array, region, tile_shape, **kwargs)
 
 
 @contextlib.contextmanager
@@ -356,7 +352,7 @@ class Recorder:
 
     def _add(self, op, kind, array, mask, tile_shape, padded, padding_mode, order):
         position, elements = self._locate(array, mask)
-        filename, line, function = _kernel_frame()
+        filename, line, function = kernel_frame()
         name = "?" if position is None else self.trace.arg_names[position]
         self.trace.accesses.append(Access(
             block=self.block, kind=kind, arg=position, name=name, elements=elements,

@@ -27,7 +27,7 @@ from .atomics import SUPPORTED, check_dtype, combine_fn, named, operand_values
 from .errors import KernelTypeError, KernelValueError, UnsupportedOperation
 from .memory import _padding_value, padding_fill
 from .registry import emulates
-from .trace import ACTIVE as RECORDING
+from .trace import record_region
 from .values import Array, Tile
 
 
@@ -175,10 +175,8 @@ class TiledView:
             fill = padding_fill(op, self._padding_mode, self.dtype)
             data = torch.full(self._full_shape(), fill, dtype=source.dtype)
             data[inside] = source[region]
-        recorder = RECORDING.get()
-        if recorder is not None:
-            recorder.region(op, "load", self._array, region, self._shape,
-                            padding_mode=self._padding_mode)
+        record_region(op, "load", self._array, region, self._shape,
+                      padding_mode=self._padding_mode)
         return Tile(data.reshape(self._shape), self.dtype)
 
     def store(self, index, tile, *, check_bounds=True, latency=None, allow_tma=None):
@@ -186,9 +184,7 @@ class TiledView:
         region, inside = self._region(op, index, check_bounds)
         data = self._tile_data(op, tile, "tile")
         self._array._t[region] = data if inside is None else data[inside]
-        recorder = RECORDING.get()
-        if recorder is not None:
-            recorder.region(op, "store", self._array, region, self._shape)
+        record_region(op, "store", self._array, region, self._shape)
 
     def _atomic_store(self, name, index, update):
         """The body of every ``atomic_store_<name>`` method (they are added below the class)."""
@@ -200,9 +196,7 @@ class TiledView:
         # Overlapping traversal steps never put two lanes of one tile on one element.
         target[region] = combine_fn(name, self.dtype)(
             target[region], data if inside is None else data[inside])
-        recorder = RECORDING.get()
-        if recorder is not None:
-            recorder.region(op, "store", self._array, region, self._shape)
+        record_region(op, "store", self._array, region, self._shape)
 
     def __getattr__(self, name):
         if name.startswith("__"):

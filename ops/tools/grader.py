@@ -44,6 +44,7 @@ import torch
 
 import cuda.tile as ct
 from ops import interpreter
+from ops.interpreter.trace import normalize_block
 from ops.runtime.cutile_internals import kernel_function
 
 from .exercises import EXERCISES
@@ -63,6 +64,7 @@ class Result:
     problem: int = 0
     launches: list = dataclasses.field(default_factory=list)
     output: tuple = None
+    never_written: bool = False     # the FAIL is about an element no block stored
 
     def __bool__(self):
         return self.passed
@@ -74,10 +76,13 @@ class Result:
             raise ValueError(f"{self.name}: nothing was launched, so there is nothing to draw")
         from .picture import draw
         launch, arg = self.output or (len(self.launches) - 1, None)
-        trace = self.launches[launch][1]
-        if arg is None:
-            arg = max(i for i, a in enumerate(self.launches[launch][0]) if isinstance(a, torch.Tensor))
-        return draw(trace, arg, **kwargs)
+        args, trace = self.launches[launch]
+        return draw(trace, _last_tensor(args) if arg is None else arg, **kwargs)
+
+
+def _last_tensor(args):
+    """The position of a launch's last tensor argument: its last output, in every exercise."""
+    return max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
 
 
 class _UsageError(Exception):
@@ -87,8 +92,9 @@ class _UsageError(Exception):
 class _Runner:
     """The launch the exercises call: records a Trace per launch; runs only ``block`` if given."""
 
-    def __init__(self, block, grid_function):
+    def __init__(self, block, grid_function, several):
         self.block, self.grid_function, self.launches = block, grid_function, []
+        self.several = several      # several kernels: messages name the kernel of a block
         self.ranks = []             # each launch's grid rank, as the exercise gave it
         self.current = None         # (kernel name, grid rank) of the launch running
 
@@ -103,13 +109,16 @@ class _Runner:
         grid = full
         blocks = None
         if self.block is not None:
-            block = (self.block,) if isinstance(self.block, int) else tuple(self.block)
-            if len(block) > 3 or any(not isinstance(b, int) or not 0 <= b < g
-                                     for b, g in zip(block + (0,) * (3 - len(block)), grid)):
+            value = tuple(self.block) if isinstance(self.block, list) else self.block
+            try:
+                block = normalize_block(value)
+            except ValueError:
+                block = None
+            if block is None or not all(0 <= b < g for b, g in zip(block, grid)):
                 raise _UsageError(ValueError(
                     f"block={self.block!r} is not a block of this launch's grid {grid}"))
             blocks = [block]
-            self.ran_block = block + (0,) * (3 - len(block))
+            self.ran_block = block
         trace = interpreter.launch(grid, kernel, args, record=True, blocks=blocks)
         self.launches.append((tuple(args), trace))
         self.ranks.append(rank)
@@ -142,10 +151,14 @@ class _KernelMistake(Exception):
     """A mistake of the learner's that is not an exception inside the kernel (a bad grid)."""
 
 
-def _check_call(name, kernel, grid, problem, block):
+def _exercise(name):
     if name not in EXERCISES:
         raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
-    ex = EXERCISES[name]
+    return EXERCISES[name]
+
+
+def _check_call(name, kernel, grid, problem, block):
+    ex = _exercise(name)
     if ex.kernels:
         if not (isinstance(kernel, (tuple, list)) and len(kernel) == len(ex.kernels)):
             raise TypeError(f"{name}: kernel must be a tuple of {len(ex.kernels)} @ct.kernel "
@@ -251,14 +264,14 @@ def _index_text(index):
     return "[" + ", ".join(map(str, index)) + "]"
 
 
-def _diagnosis(runner, found, index, got):
-    """What the trace says about a wrong element: who stored it, what that block did."""
+def _diagnosis(runner, found, index, got, writers):
+    """What the trace says about a wrong element: who stored it (``writers``), what that block
+    did."""
     if found is None:
         return []
     launch, pos = found
     trace, rank = runner.launches[launch][1], runner.ranks[launch]
     name, grid = trace.arg_names[pos], trace.grid
-    writers = trace.writers(pos, index)
     lines = []
     if not writers:
         stores = trace.stores(arg=pos)
@@ -300,21 +313,21 @@ def _problem_text(ex, k):
 
 
 def _run_problem(ex, name, kernel, grid, k, block):
-    """-> (None or a FAIL message, runner, output found) for problem k (0-based)."""
+    """-> (None or a FAIL message, runner, the output found, whether the element is one no
+    block stored) for problem k (0-based)."""
     gen = torch.Generator().manual_seed(1000 + k)
     inputs = ex.inputs(gen, k)
     outputs = [torch.full(shape, math.nan, dtype=dtype) for shape, dtype in ex.outputs(*inputs)]
-    runner = _Runner(block, grid)
-    runner.several = bool(ex.kernels)
+    runner = _Runner(block, grid, several=bool(ex.kernels))
     head = f"FAIL {name}, {_problem_text(ex, k)}"
     try:
         ex.launch(kernel, inputs, outputs, runner, grid)
     except _UsageError as e:
         raise e.args[0] from None
     except _KernelMistake as e:
-        return f"{head}: {e}", runner, None
+        return f"{head}: {e}", runner, None, False
     except Exception as e:      # the learner's kernel (or grid function) failed: say where
-        return f"{head}: {_error_message(e, runner)}", runner, None
+        return f"{head}: {_error_message(e, runner)}", runner, None, False
     expected = ex.spec(*inputs)
     for k_out, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         found = runner.find(out)
@@ -332,21 +345,22 @@ def _run_problem(ex, name, kernel, grid, k, block):
         if wrong is None:
             continue
         index, got, want = wrong
-        label = (runner.launches[found[0]][1].arg_names[found[1]] if found
+        trace = runner.launches[found[0]][1] if found else None
+        label = (trace.arg_names[found[1]] if found
                  else "out" if len(outputs) == 1 else f"output {k_out}")
-        what = "never written (still NaN)" if math.isnan(got) and (
-            found is None or not runner.launches[found[0]][1].writers(found[1], index)) \
-            else f"{got:.6g}"
+        writers = trace.writers(found[1], index) if found else []
+        never_written = math.isnan(got) and not writers
+        what = "never written (still NaN)" if never_written else f"{got:.6g}"
         lines = [f"{head}: {label}{_index_text(index)} is {what}, expected {want:.6g}"]
-        lines += ["  " + line for line in _diagnosis(runner, found, index, got)]
+        lines += ["  " + line for line in _diagnosis(runner, found, index, got, writers)]
         for text, alternative in ex.mistakes:
             if _first_wrong(out, alternative(*inputs)[k_out], ex.tol, only) is None:
                 lines.append(f"  {label} matches a known mistake: {text}")
         if _sixteen_bit(out, ref):
             lines.append(f"  every value in {label} is a float16 (or bfloat16) number, and the "
                          f"expected ones are not: was it summed or rounded in 16 bits?")
-        return "\n".join(lines), runner, found
-    return None, runner, None
+        return "\n".join(lines), runner, found, never_written
+    return None, runner, None, False
 
 
 def check(name, kernel, *, grid=None, problem=None, block=None):
@@ -359,10 +373,10 @@ def check(name, kernel, *, grid=None, problem=None, block=None):
     problems = range(len(ex.problems)) if problem is None else [problem - 1]
     runner = None
     for k in problems:
-        message, runner, found = _run_problem(ex, name, kernel, grid, k, block)
+        message, runner, found, never_written = _run_problem(ex, name, kernel, grid, k, block)
         if message is not None:
             return Result(name, False, message + f"\n  hint({name!r}) for a nudge", k + 1,
-                          runner.launches, found)
+                          runner.launches, found, never_written)
     if block is not None:
         k = problems[0]
         lines = [f"block {block!r} of {_problem_text(ex, k)}: every element it stored is right "
@@ -391,8 +405,8 @@ def grade(name, kernel, *, grid=None, problem=None, block=None):
     did store (``Result.picture``)."""
     result = check(name, kernel, grid=grid, problem=problem, block=block)
     print(result.message)
-    if (not result.passed and "never written" in result.message and result.output
-            and result.launches[result.output[0]][1].stores(arg=result.output[1]) and _in_notebook()):
+    if (result.never_written and result.launches[result.output[0]][1].stores(arg=result.output[1])
+            and _in_notebook()):
         from IPython.display import display
         import matplotlib.pyplot as plt
         figure = result.picture()
@@ -403,9 +417,7 @@ def grade(name, kernel, *, grid=None, problem=None, block=None):
 
 def hint(name, full=False):
     """Print exercise ``name``'s nudge, or with ``full=True`` its recipe."""
-    if name not in EXERCISES:
-        raise ValueError(f"unknown exercise {name!r}; the exercises are: {', '.join(EXERCISES)}")
-    ex = EXERCISES[name]
+    ex = _exercise(name)
     if full:
         print(f"{name}, the recipe: {ex.recipe}")
     else:
@@ -418,12 +430,9 @@ def picture(name, kernel, *, grid=None, problem=1, arg=None, **kwargs):
     of the kernel argument ``arg`` (a position or a parameter name; default: the last output)
     -> a matplotlib Figure (``ops.tools.picture.draw``)."""
     ex = _check_call(name, kernel, grid, problem, None)
-    message, runner, _ = _run_problem(ex, name, kernel, grid, problem - 1, None)
+    message, runner, _, _ = _run_problem(ex, name, kernel, grid, problem - 1, None)
     if not runner.launches:
         raise ValueError(f"{name}: the kernel did not launch: {message}")
     from .picture import draw
     args, trace = runner.launches[-1]
-    if arg is None:
-        outputs = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        arg = outputs[-1]
-    return draw(trace, arg, **kwargs)
+    return draw(trace, _last_tensor(args) if arg is None else arg, **kwargs)
