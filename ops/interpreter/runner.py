@@ -107,11 +107,6 @@ def _normalize_grid(grid):
     return grid + (1,) * (3 - len(grid))
 
 
-def _grid_order(block):
-    """Sort key: blocks run x fastest, then y, then z."""
-    return block[2], block[1], block[0]
-
-
 def _selected_blocks(blocks, grid):
     """The blocks to run, in grid order: all of them, or those of ``blocks`` (each an int or
     a tuple of up to 3 ints, missing axes 0), checked against the grid."""
@@ -131,7 +126,7 @@ def _selected_blocks(blocks, grid):
         if not all(0 <= b < g for b, g in zip(block, grid)):
             raise ValueError(f"blocks: block {value!r} is outside the grid {grid}")
         selected.add(block)
-    return sorted(selected, key=_grid_order)
+    return sorted(selected, key=trace.grid_order)
 
 
 def launch(grid, kernel, args, *, undetermined_padding=None, record=False, blocks=None):

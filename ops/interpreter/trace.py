@@ -75,6 +75,11 @@ def normalize_block(value):
     return items + (0,) * (3 - len(items))
 
 
+def grid_order(block):
+    """Sort key of (x, y, z) blocks in the order a launch runs them: x fastest, then y, then z."""
+    return block[2], block[1], block[0]
+
+
 def block_name(block, grid):
     """A block as a learner writes it: ``3`` in a 1-D grid, ``(2, 0)`` in a 2-D one."""
     rank = max([1] + [axis + 1 for axis in range(3) if grid[axis] > 1])

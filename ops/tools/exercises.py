@@ -23,7 +23,6 @@ through ``run(grid, kernel, args)`` (the grader's recording launch). ``grid`` is
 grid function for the exercises that ask for one (``learner_grid``), else None.
 """
 import dataclasses
-import math
 
 import torch
 

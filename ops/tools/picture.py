@@ -27,7 +27,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from ops.interpreter.trace import block_name, box, normalize_block, region_text, tile_box
+from ops.interpreter.trace import (block_name, box, grid_order, normalize_block, region_text,
+                                   tile_box)
 
 COLOURS = {"untouched": "#eeeeee", "load": "#3b7dd8", "store": "#f08c1e", "both": "#8e52b0"}
 HATCHES = {"load": "///", "store": "\\\\\\"}
@@ -60,7 +61,7 @@ def _selected(trace, blocks):
     if blocks is None:
         return list(trace.blocks)
     chosen = {normalize_block(b) for b in blocks}
-    return sorted(chosen, key=lambda b: (b[2], b[1], b[0]))
+    return sorted(chosen, key=grid_order)
 
 
 def _accesses(trace, position, blocks, kind):
