@@ -37,14 +37,15 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     Nothing token-sized is held in float32 or per head: dx is written once in x's dtype, dB and
     dC are summed over a group's heads in the token kernel, and the gate runs over slices of the
     tokens (``SLICE_ELEMENTS``).
-    The peak is compute_out's token launch: 425 MiB at chunk 256, 577 MiB at 128 (the chunk
+    The peak is compute_out's token launch: 481 MiB at chunk 256, 613 MiB at 128 (the chunk
     an H200 computes a caller's 256 at: ``ops/tuning/compute_chunk.py``); with z, whose dz and dy in
-    x's dtype add 2 x 160 MiB, 745 and 897 MiB. Alive there, MiB at 256 (at 128):
+    x's dtype add 2 x 160 MiB, 801 and 933 MiB. Alive there, MiB at 256 (at 128):
         dx in x's dtype 160, written once by the token launch (no float32 dx)
         dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
         entry states 80 (160), freed after compute_out's token launch
         dB, dC head-split partials: 4 splits x 2 x 8 (``bwd_compute_out.BLOCKS_PER_SM``, at
-        most ``MAX_SPLITS``); C B^T per chunk and group 16 (8), float32
+        most ``MAX_SPLITS``); C B^T per chunk and group 16 (8), float32; the pair kernel's
+        d(C B^T) head-split partials 16 (16) and its row and column sums of dG G 40 (20)
         dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5; dD's partials 5
         dy: dout itself (without z); y not computed without z; no dentry (the pass forms it:
         FUSE_ENTRY), which with FUSE_ENTRY=False is a float32 (b, c, h, p, n) buffer, 160
@@ -193,7 +194,12 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         token_parts["unread stand-ins"] = 2 * f32
     # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY)
     scores = ({"C B^T scores": batch * nchunks * ngroups * chunk_size ** 2 * f32}
-              if out_cfg["SCORES_IN_MEMORY"] else {})
+              if out_cfg["SCORES_IN_MEMORY"] or out_cfg["PAIRS"] else {})
+    if out_cfg["PAIRS"]:
+        # the pair kernel's d(C B^T) head-split partials and its two sums of dG per head
+        pair_splits = per_group // out_cfg["PAIR_HEADS_PER_BLOCK"]
+        scores["d(C B^T) partials"] = pair_splits * scores["C B^T scores"]
+        scores["dG's row and column sums"] = 2 * chunked * (chunk_size // out_cfg["BLOCK_T"])
     # fused: dx written once, complete, in x's dtype; else float32, completed by chunk_states
     # and converted at the end
     dx = {"dx (x's dtype)": tokens * e} if fused else {"dx (float32)": tokens * f32}

@@ -234,7 +234,8 @@ def test_backward_kernels_take_configs_by_name(launched):
     """``kernel_backward``'s configs reach each backward kernel: other tiles, head splits and
     hints than the defaults, the chunk states' gradients in their own kernel
     (``FUSE_STATES=False``: bwd_chunk_states then runs) and C B^T from memory
-    (``SCORES_IN_MEMORY``: chunk_scores runs first), give the default's gradients (float32:
+    (``SCORES_IN_MEMORY`` without the pair kernel: chunk_scores runs first) and the pair kernel's
+    heads in other splits, give the default's gradients (float32:
     other tile and head splits sum dB, d dA[last], dA and ddt_bias in another order, a few ulps:
     1e-5). An unknown kernel's name is refused."""
     from ops.backward import kernel_backward
@@ -244,15 +245,21 @@ def test_backward_kernels_take_configs_by_name(launched):
     opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
                 seq_idx=kw["seq_idx"], **OPTIONS)
     want = kernel_backward(*args, **opts)
-    assert "bwd_chunk_states_kernel" not in launched
+    assert "bwd_chunk_states_kernel" not in launched and "bwd_pairs_kernel" in launched
     configs = {"bwd_compute_out": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, FUSE_STATES=False,
-                                       SCORES_IN_MEMORY=True),
+                                       SCORES_IN_MEMORY=True, PAIRS=False),
                "bwd_pass_state": dict(BLOCK_P=16, BLOCK_N=16, LOAD_LAT=8),
                "bwd_chunk_states": dict(BLOCK_T=16, HEADS_PER_BLOCK=1, LOAD_LAT=8),
                "bwd_chunk_cumsum": dict(BLOCK_H=2, STORE_LAT=8)}
     got = kernel_backward(*args, **opts, configs=configs)
     assert {"bwd_chunk_states_kernel", "chunk_scores_kernel"} <= set(launched)
     assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-5, name
+    launched.clear()
+    pairs = {"bwd_compute_out": dict(BLOCK_T=16, PAIR_HEADS_PER_BLOCK=1)}
+    got = kernel_backward(*args, **opts, configs=pairs)
+    assert "bwd_pairs_kernel" in launched and "chunk_scores_kernel" not in launched
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name
     with pytest.raises(ValueError, match="unknown config keys"):
@@ -349,6 +356,7 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
 
 UNFUSED = {"bwd_compute_out": dict(FUSE_STATES=False)}
 ENTRY_LAUNCH = {"bwd_pass_state": dict(FUSE_ENTRY=False)}
+PAIRS = {"bwd_compute_out": dict(PAIRS=True, BLOCK_T=16)}
 
 
 @pytest.mark.parametrize("z, initial_states, dstate, ngroups, chunk, configs", [
@@ -356,10 +364,11 @@ ENTRY_LAUNCH = {"bwd_pass_state": dict(FUSE_ENTRY=False)}
     (True, True, 32, 2, 64, None), (False, False, 128, 8, 64, None),
     (False, False, 32, 2, 64, UNFUSED), (True, True, 32, 2, 64, UNFUSED),
     (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, ENTRY_LAUNCH),
-    (False, False, 64, 1, 16, None), (True, True, 32, 2, 64, ENTRY_LAUNCH)],
+    (False, False, 64, 1, 16, None), (True, True, 32, 2, 64, ENTRY_LAUNCH),
+    (False, False, 32, 1, 64, PAIRS)],
     ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
          "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-entry-launch-pass-peak",
-         "chunk16-entry-in-pass", "z-initial-entry-launch"])
+         "chunk16-entry-in-pass", "z-initial-entry-launch", "pairs-g1"])
 def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
                                             chunk, configs):
     """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,

@@ -96,6 +96,19 @@ CASES = [
                  id="scores-in-memory-tiles16-whole-group"),
     pytest.param(dict(seqlen=77), dict(BLOCK_T=16, SCORES_IN_MEMORY=True),
                  id="scores-in-memory-packed-ragged-head-partials"),
+    # the pair kernel first: several pairs per chunk, pairs wholly past the sequence, its heads
+    # in two splits (their d(C B^T) partials added) and the token kernel's in one, and the
+    # other way round
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, PAIRS=True, PAIR_HEADS_PER_BLOCK=1),
+                 id="pairs-tiles16-seq-two-pair-splits"),
+    pytest.param(dict(seqlen=77), dict(PAIRS=True, PAIR_HEADS_PER_BLOCK=2),
+                 id="pairs-packed-ragged-one-tile-per-chunk"),
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(BLOCK_T=16, PAIRS=True),
+                 id="pairs-whole-chunks-g1"),
+    # the next head's entry state loaded a head ahead (the last head loads itself again)
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=4, PREFETCH=True),
+                 id="prefetch-whole-group-of-four"),
 ]
 
 
@@ -118,7 +131,8 @@ def test_matches_the_reference(device, dtype, case, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("D_dims", [1, 2], ids=["D-1d", "D-2d"])
-@pytest.mark.parametrize("case, config", [CASES[0], CASES[3]])
+@pytest.mark.parametrize("case, config", [CASES[0], CASES[3], CASES[-1],
+                                          CASES[-4]])       # prefetch; the token kernel alone
 def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
     """With dS and D the token kernel's outputs are compute_out's gradients plus
     ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
@@ -223,17 +237,35 @@ def test_scores_in_memory_by_default_where_it_was_faster():
         assert {c["SCORES_IN_MEMORY"] for c in mod.search_space(**shape)} == {False, True}
 
 
-def test_states_fused_by_default_but_at_dstate_256_from_16k_tokens():
-    """The token kernel does bwd_chunk_states' work too by default, except at dstate 256 from
-    16K tokens (batch x seqlen), where the H200 measured the unfused path faster
-    (``mod.fuse_states``); the search space holds the other way at every shape."""
+def test_states_fused_after_the_pair_kernel_else_but_at_dstate_256_from_16k_tokens():
+    """After the pair kernel (the default) the token kernel always does bwd_chunk_states' work
+    too; without it, except at dstate 256 from 16K tokens (batch x seqlen), where the H200
+    measured the unfused path faster (``mod.fuse_states``). The search space holds the other
+    way at every shape."""
     for dstate, batch, seqlen, want in ((128, 1, 65536, True), (64, 8, 2048, True),
                                         (256, 1, 4096, True), (256, 1, 16384, False),
                                         (256, 8, 2048, False), (200, 1, 65536, False),
                                         (512, 1, 65536, True), (256, 1, None, False)):
+        tokens = None if seqlen is None else batch * seqlen
+        assert mod.fuse_states(dstate, tokens) is want, (dstate, tokens)
+        assert mod.fuse_states(dstate, tokens, pairs=True) is True
         shape = dict(VARIANT_SHAPE, dstate=dstate, batch=batch, seqlen=seqlen)
-        assert mod.default_config(**shape)["FUSE_STATES"] is want, shape
+        assert mod.default_config(**shape)["FUSE_STATES"] is True, shape
         assert {c["FUSE_STATES"] for c in mod.search_space(**shape)} == {False, True}
+
+
+def test_the_pair_kernel_runs_first_by_default_with_fewer_larger_blocks():
+    """PAIRS by default (faster on the H200 at every shape timed but one, level there); the
+    search space holds the token kernel alone. At the 2.7B training shape the pair kernel takes
+    40 heads per block (its 384 pair blocks per head block times 2: ~6 per multiprocessor),
+    the token kernel 20 (its target of 6 blocks per multiprocessor takes more splits)."""
+    shape = dict(chunk_size=128, headdim=64, dstate=128, nheads=80, ngroups=1, batch=8,
+                 seqlen=2048)
+    cfg = mod.default_config(**shape)
+    assert cfg["PAIRS"] is True and cfg["PAIR_HEADS_PER_BLOCK"] == 40
+    assert cfg["HEADS_PER_BLOCK"] == 20
+    assert {c["PAIRS"] for c in mod.search_space(**shape)} == {False, True}
+    assert {c["PAIR_HEADS_PER_BLOCK"] for c in mod.search_space(**shape)} == {20, 40, 80}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -306,6 +338,8 @@ COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=Fa
             pytest.param(dict(fused=False), "sm_90", id="layer-unfused-sm_90"),
             pytest.param(dict(config=dict(SCORES_IN_MEMORY=True)), "sm_90",
                          id="layer-scores-in-memory-sm_90")]
+COMPILE += [pytest.param(dict(chunk=128, config=dict(PAIRS=True)), arch, id=f"layer-pairs-{arch}")
+            for arch in ("sm_80", "sm_90", "sm_100")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)

@@ -55,6 +55,33 @@ Two kernels
     ``bwd_entry_kernel``  one block per (dentry tile (BLOCK_P, BLOCK_N), chunk, head, batch):
         the product (w dy)^T @ C over the chunk's token tiles, accumulated in registers.
 
+The pair kernel first (PAIRS, the default)
+    Of the token kernel's products, dB and dC's (dCB^T C and dCB B, (BLOCK_T, BLOCK_T) x
+    (BLOCK_T, dstate) per tile pair) are the largest, and it forms them once per head. But B
+    and C are the group's, so both are linear in the sum over the group's heads of dCB:
+
+        dB[s] = sum_h sum_l dCB_h[l, s] C[l] = sum_l (sum_h dCB_h)[l, s] C[l]     (dC alike)
+
+    ``bwd_pairs_kernel`` runs first, one block per (tile pair (i, j) of a chunk, i >= j, block
+    of PAIR_HEADS_PER_BLOCK heads of one group, batch); grid axis 0 is chunk x row tile x
+    column tile x head blocks, head blocks fastest (the blocks of a pair with j > i, above the
+    diagonal, or wholly past the sequence, exit at once). It forms the pair's C B^T once (and
+    stores it for the token kernel), then for each of its heads in order dG = dy_i x_j^T and
+    the decays, and writes that head's two sums of dG G (per column: ddt's and, times dt,
+    ddA's; per row: ddA's) and adds dCB into a (BLOCK_T, BLOCK_T) float32 sum over its heads,
+    written once: the head-split partials (pair splits, b, c, g, CHUNK, CHUNK). The token
+    kernel then forms only G (for dx) per head and pair, reads the sums, and its first head
+    block of each group adds the pair partials in order and makes dB and dC's quadratic part
+    with two products per pair instead of two per head and pair: 80 times fewer at a 2.7B
+    layer. Each (dy_i x_j^T, decays) is formed once, by the pair kernel, where the token kernel
+    alone forms it twice (once per role). No atomics: every sum runs in a fixed order.
+    A training step's scan ran 1.11-1.21x faster with it than without (each at its own best
+    FUSE_STATES) at every shape timed but 1 x 4K x dstate 64, where it is level
+    (``tests/benchmark/results/bwd_pairs_h200.csv``; at 1 x 64K x dstate 256 against the
+    unfused token kernel, ``bwd_pairs_fuse_h200.csv``; PERF_NOTES.md, "The pair kernel"). Its buffers (``ops.backward.memory_accounting`` counts
+    them): C B^T, the d(C B^T) partials and the (b, h, c, CHUNK / BLOCK_T, CHUNK) row and
+    column sums, all float32.
+
 dB and dC across the heads of a group (deterministic, no atomics)
     B and C are shared by the heads of a group, so their gradients are sums over those heads. A
     block loops over HEADS_PER_BLOCK heads of one group in order and sums their contributions in
@@ -94,7 +121,7 @@ import cuda.tile as ct
 
 from ops.tuning.configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from ops.runtime.launch import Plan, fit_index_width, run
-from ops.kernels.common import (carried_weight, chunk_scores_plan, chunk_tokens, entry_gradient, new_scores, sequence_ids, NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
+from ops.kernels.common import (latency_hint, carried_weight, chunk_scores_plan, chunk_tokens, entry_gradient, new_scores, sequence_ids, NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
                     check_sizes, multiprocessors, new_output, tile_size, unread_stand_in)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -102,10 +129,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Helpers called from the kernels (compiled into them).
 
-def token_rows(array, b, tile, h, BLOCK_T, WIDTH):
+def token_rows(array, b, tile, h, BLOCK_T, WIDTH, LOAD_LAT=0):
     """Token tile ``tile`` (BLOCK_T tokens of the sequence) of head or group h of a (batch,
     seqlen, heads, width) array: (BLOCK_T, WIDTH), zero-padded past seqlen and width."""
-    t = ct.load(array, (b, tile, h, 0), shape=(1, BLOCK_T, 1, WIDTH), padding_mode=ZERO)
+    t = ct.load(array, (b, tile, h, 0), shape=(1, BLOCK_T, 1, WIDTH), padding_mode=ZERO,
+                latency=latency_hint(LOAD_LAT))
     return ct.reshape(t, (BLOCK_T, WIDTH))
 
 
@@ -123,14 +151,33 @@ def times_transposed(a, b, acc):
     return ct.mma(a, ct.transpose(b), acc)
 
 
-def score_tile(scores, c_rows, b_cols, b, c, g, i, j, BLOCK_T, SCORES_IN_MEMORY):
+def score_tile(scores, c_rows, b_cols, b, c, g, i, j, BLOCK_T, SCORES_IN_MEMORY, LOAD_LAT=0):
     """The (BLOCK_T, BLOCK_T) tile (i, j) of chunk c's C B^T: C[rows] @ B[cols]^T formed here, or
     read from the ``scores`` chunk_scores filled (SCORES_IN_MEMORY: once per group, not once per
     head)."""
     if SCORES_IN_MEMORY:
-        t = ct.load(scores, (b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T))
+        t = ct.load(scores, (b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T),
+                    latency=latency_hint(LOAD_LAT))
         return ct.reshape(t, (BLOCK_T, BLOCK_T))
     return times_transposed(c_rows, b_cols, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+
+
+def head_state(states, b, c, h, P, N):
+    """Head h's (P, N) state of chunk c from a (batch, nchunks, nheads, headdim, dstate) array,
+    zero-padded past headdim and dstate, in the array's dtype."""
+    return ct.reshape(ct.load(states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N), padding_mode=ZERO),
+                      (P, N))
+
+
+def dcb_tile(dcb_parts, b, c, g, i, j, BLOCK_T, LOAD_LAT):
+    """Tile (i, j) of chunk c's d(C B^T) for group g: the pair kernel's head-split partials
+    added in order, (BLOCK_T, BLOCK_T) float32."""
+    acc = ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32)
+    for s in range(dcb_parts.shape[0]):
+        t = ct.load(dcb_parts, (s, b, c, g, i, j), shape=(1, 1, 1, 1, BLOCK_T, BLOCK_T),
+                    latency=latency_hint(LOAD_LAT))
+        acc = acc + ct.reshape(t, (BLOCK_T, BLOCK_T))
+    return acc
 
 
 @ct.kernel
@@ -156,7 +203,12 @@ def bwd_compute_out_kernel(
     dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials;
                                         # unwritten unless WITH_SKIP
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
-                                        # (ops/kernels/common.py); unread unless SCORES_IN_MEMORY
+                                        # (ops/kernels/common.py, or bwd_pairs_kernel with
+                                        # PAIRS); unread unless SCORES_IN_MEMORY
+    dcb_parts: ct.IndexedWithInt64,     # (pair splits, batch, nchunks, ngroups, CHUNK, CHUNK)
+                                        # float32, bwd_pairs_kernel's; unread unless PAIRS
+    cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32 and
+    rows: ct.IndexedWithInt64,          # the same: bwd_pairs_kernel's sums; unread unless PAIRS
     heads_per_group: int,
     heads_per_block: int,               # divides heads_per_group; splits = their ratio
     CHUNK: ConstInt,
@@ -168,6 +220,9 @@ def bwd_compute_out_kernel(
     WITH_STATES: ConstBool,             # add the gradients through the chunk's own state (dS)
     WITH_SKIP: ConstBool,               # add the skip's dx (D dy) and write dD's partials
     SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
+    PAIRS: ConstBool,                   # the pair kernel ran: take d(C B^T) and the sums from it
+    LOAD_LAT: ConstInt,                 # latency hint of the tile loads (0: none)
+    PREFETCH: ConstBool,                # load the next head's entry state and dS a head ahead
 ):
     splits = heads_per_group // heads_per_block
     head_blocks = dB.shape[3] * splits
@@ -207,18 +262,32 @@ def bwd_compute_out_kernel(
             if HAS_SEQ_IDX:
                 seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
                 keep = ct.where(seq_t == seq_last, 1.0, 0.0)
+        if PREFETCH:
+            # the first head's entry state (and dS), loaded before the loop; each iteration
+            # loads the next head's while it computes with this one's
+            state_next = head_state(entry_states, b, c, first_head, P, N)
+            if WITH_STATES:
+                ds_next = head_state(dS, b, c, first_head, P, N)
         for k in range(heads_per_block):                # the group's heads, in order
             h = first_head + k
             dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
             dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
-            dy_t = token_rows(dy, b, tile, h, BLOCK_T, P)
-            x_t = token_rows(x, b, tile, h, BLOCK_T, P)
+            dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
+            x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
             dy_t_op = dy_t.astype(op)
 
             # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
-            state = ct.load(entry_states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
-                            padding_mode=ZERO)
-            state = ct.reshape(state, (P, N)).astype(op)
+            if PREFETCH:
+                following = first_head + min(k + 1, heads_per_block - 1)
+                state = state_next.astype(op)
+                state_next = head_state(entry_states, b, c, following, P, N)
+                if WITH_STATES:
+                    ds_now = ds_next
+                    ds_next = head_state(dS, b, c, following, P, N)
+            else:
+                state = ct.load(entry_states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
+                                padding_mode=ZERO)
+                state = ct.reshape(state, (P, N)).astype(op)
             dy_state = ct.mma(dy_t_op, state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
             w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
             dC_acc = dC_acc + dy_state * w_t[:, None]
@@ -229,43 +298,66 @@ def bwd_compute_out_kernel(
             ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
             for i in range(t, valid):
                 row_tile = c * TILES + i
-                c_i = token_rows(C, b, row_tile, g, BLOCK_T, N)
-                dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P)
-                dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
-                pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
-                seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
-                cb = score_tile(scores, c_i, b_t, b, c, g, i, t, BLOCK_T, SCORES_IN_MEMORY)
-                dG = times_transposed(dy_i, x_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
-                m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
-                dG_m = dG * m
-                ddt_acc = ddt_acc + ct.sum(dG_m * cb, axis=0)
-                dcb = dG_m * dt_t[None, :]                                # d(C B^T)
-                grad_dA = grad_dA - ct.sum(dcb * cb, axis=0)             # column sums of dG G
-                G = cb * m * dt_t[None, :]
-                dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
-                dB_acc = ct.mma(ct.transpose(dcb.astype(op)), c_i.astype(op), dB_acc)
+                if PAIRS:
+                    # G only: dG's sums come from the pair kernel, d(C B^T) from its head sums
+                    dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT)
+                    dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+                    pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                    seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+                    cb = score_tile(scores, c_t, b_t, b, c, g, i, t, BLOCK_T, True, LOAD_LAT)
+                    m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
+                    ddt_acc = ddt_acc + ct.reshape(
+                        ct.load(cols, (b, h, c, i, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+                    G = cb * m * dt_t[None, :]
+                    dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+                else:
+                    c_i = token_rows(C, b, row_tile, g, BLOCK_T, N)
+                    dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P)
+                    dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+                    pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                    seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+                    cb = score_tile(scores, c_i, b_t, b, c, g, i, t, BLOCK_T, SCORES_IN_MEMORY)
+                    dG = times_transposed(dy_i, x_t, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                    m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
+                    dG_m = dG * m
+                    ddt_acc = ddt_acc + ct.sum(dG_m * cb, axis=0)
+                    dcb = dG_m * dt_t[None, :]                                # d(C B^T)
+                    grad_dA = grad_dA - ct.sum(dcb * cb, axis=0)         # column sums of dG G
+                    G = cb * m * dt_t[None, :]
+                    dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+                    dB_acc = ct.mma(ct.transpose(dcb.astype(op)), c_i.astype(op), dB_acc)
 
-            # Tile t as the target tokens l: the column tiles j <= t.
-            for j in range(t + 1):
-                col_tile = c * TILES + j
-                b_j = token_rows(B, b, col_tile, g, BLOCK_T, N)
-                x_j = token_rows(x, b, col_tile, h, BLOCK_T, P)
-                dA_j = chunk_tokens(dA_cumsum, b, h, c, j, BLOCK_T)
-                dt_j = chunk_tokens(dt_out, b, h, c, j, BLOCK_T)
-                pos_j = j * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
-                seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
-                cb = score_tile(scores, c_t, b_j, b, c, g, t, j, BLOCK_T, SCORES_IN_MEMORY)
-                dG = times_transposed(dy_t, x_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
-                m_dt = decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX) * dt_j[None, :]
-                dcb = dG * m_dt
-                grad_dA = grad_dA + ct.sum(dcb * cb, axis=1)             # row sums of dG G
-                dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
+            if PAIRS:
+                # the column sums of dG G are dt times ddt's; the row sums, the pair kernel's
+                grad_dA = grad_dA - ddt_acc * dt_t
+                for j in range(t + 1):
+                    grad_dA = grad_dA + ct.reshape(
+                        ct.load(rows, (b, h, c, j, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+            else:
+                # Tile t as the target tokens l: the column tiles j <= t.
+                for j in range(t + 1):
+                    col_tile = c * TILES + j
+                    b_j = token_rows(B, b, col_tile, g, BLOCK_T, N)
+                    x_j = token_rows(x, b, col_tile, h, BLOCK_T, P)
+                    dA_j = chunk_tokens(dA_cumsum, b, h, c, j, BLOCK_T)
+                    dt_j = chunk_tokens(dt_out, b, h, c, j, BLOCK_T)
+                    pos_j = j * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+                    seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
+                    cb = score_tile(scores, c_t, b_j, b, c, g, t, j, BLOCK_T, SCORES_IN_MEMORY)
+                    dG = times_transposed(dy_t, x_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+                    m_dt = decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX) * dt_j[None, :]
+                    dcb = dG * m_dt
+                    grad_dA = grad_dA + ct.sum(dcb * cb, axis=1)         # row sums of dG G
+                    dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
 
             if WITH_STATES:
                 # Through the chunk's own state S[c] = sum_s v[s] outer(x[s], B[s]), as
                 # ops/kernels/backward/bwd_chunk_states.py: v = exp2(dA[last] - dA) dt for the last token's sequence.
-                ds = ct.reshape(ct.load(dS, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
-                                        padding_mode=ZERO), (P, N)).astype(op)
+                if PREFETCH:
+                    ds = ds_now.astype(op)
+                else:
+                    ds = ct.reshape(ct.load(dS, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
+                                            padding_mode=ZERO), (P, N)).astype(op)
                 dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
                 decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
                 v = decay * dt_t
@@ -288,8 +380,83 @@ def bwd_compute_out_kernel(
             ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
             ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
             ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+        if PAIRS and split == 0:
+            # The quadratic form's dB and dC from d(C B^T) summed over the group's heads (the
+            # pair kernel's splits added in order): once per group, not once per head.
+            for i in range(t, valid):
+                d_it = dcb_tile(dcb_parts, b, c, g, i, t, BLOCK_T, LOAD_LAT).astype(op)
+                c_i = token_rows(C, b, c * TILES + i, g, BLOCK_T, N, LOAD_LAT)
+                dB_acc = ct.mma(ct.transpose(d_it), c_i.astype(op), dB_acc)
+            for j in range(t + 1):
+                d_tj = dcb_tile(dcb_parts, b, c, g, t, j, BLOCK_T, LOAD_LAT).astype(op)
+                b_j = token_rows(B, b, c * TILES + j, g, BLOCK_T, N, LOAD_LAT)
+                dC_acc = ct.mma(d_tj, b_j.astype(op), dC_acc)
         ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
         ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
+
+
+@ct.kernel
+def bwd_pairs_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
+    dcb_parts: ct.IndexedWithInt64,     # (splits, batch, nchunks, ngroups, CHUNK, CHUNK) float32
+    cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
+    rows: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
+    heads_per_group: int,
+    heads_per_block: int,               # divides heads_per_group; splits = their ratio
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,
+    P: ConstInt,
+    N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    LOAD_LAT: ConstInt,                 # latency hint of the tile loads (0: none)
+):
+    splits = heads_per_group // heads_per_block
+    head_blocks = dcb_parts.shape[3] * splits
+    hblock = ct.bid(0) % head_blocks
+    pair = ct.bid(0) // head_blocks
+    b = ct.bid(1)
+    g, split = hblock // splits, hblock % splits
+    first_head = g * heads_per_group + split * heads_per_block
+    TILES = CHUNK // BLOCK_T
+    j = pair % TILES                                 # the source tokens' tile (columns)
+    i = (pair // TILES) % TILES                      # the target tokens' tile (rows), i >= j
+    c = pair // (TILES * TILES)
+    valid = min(TILES, ct.cdiv(x.shape[1] - c * CHUNK, BLOCK_T))
+    if j <= i and i < valid:
+        row_tile, col_tile = c * TILES + i, c * TILES + j
+        cb = times_transposed(token_rows(C, b, row_tile, g, BLOCK_T, N, LOAD_LAT),
+                              token_rows(B, b, col_tile, g, BLOCK_T, N, LOAD_LAT),
+                              ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+        if split == 0:
+            ct.store(scores, (b, c, g, i, j), ct.reshape(cb, (1, 1, 1, BLOCK_T, BLOCK_T)))
+        pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+        pos_j = j * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+        seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+        seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
+        acc = ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32)
+        for k in range(heads_per_block):                 # the heads, in order
+            h = first_head + k
+            dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+            dA_j = chunk_tokens(dA_cumsum, b, h, c, j, BLOCK_T)
+            dt_j = chunk_tokens(dt_out, b, h, c, j, BLOCK_T)
+            dG = times_transposed(token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT),
+                                  token_rows(x, b, col_tile, h, BLOCK_T, P, LOAD_LAT),
+                                  ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+            dG_m = dG * decays(dA_i, dA_j, pos_i, pos_j, seq_i, seq_j, HAS_SEQ_IDX)
+            dG_cb = dG_m * cb
+            ct.store(cols, (b, h, c, i, j), ct.reshape(ct.sum(dG_cb, axis=0), (1, 1, 1, 1, BLOCK_T)))
+            ct.store(rows, (b, h, c, j, i),
+                     ct.reshape(ct.sum(dG_cb * dt_j[None, :], axis=1), (1, 1, 1, 1, BLOCK_T)))
+            acc = acc + dG_m * dt_j[None, :]
+        ct.store(dcb_parts, (split, b, c, g, i, j),
+                 ct.reshape(acc, (1, 1, 1, 1, BLOCK_T, BLOCK_T)))
 
 
 @ct.kernel
@@ -355,14 +522,21 @@ def default_block_t(chunk_size, headdim, dstate):
 # the limit of 4 itself is untimed.
 BLOCKS_PER_SM = 6
 MAX_SPLITS = 4
+# The pair kernel's blocks (``default_heads_per_block`` with this target): its blocks are
+# short (one pair), and at the 2.7B training shape 40 heads per block (~6 blocks per
+# multiprocessor) took less time than 20 and 10 (``bwd_pairs_variants_h200.csv``).
+PAIR_BLOCKS_PER_SM = 4
+# The pair kernel runs first by default (module docstring, "The pair kernel first").
+PAIRS_DEFAULT = True
 
 
-def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None):
+def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None,
+                            blocks_per_sm=BLOCKS_PER_SM):
     """The largest divisor of a group's heads that gives ``BLOCKS_PER_SM`` blocks per
     multiprocessor (all the heads of a group, dB and dC written directly, for long sequences;
     else partials summed on the host) in at most ``MAX_SPLITS`` splits of a group; else the
     most splits allowed (one head per block when a group has few heads)."""
-    wanted = BLOCKS_PER_SM * multiprocessors(device)
+    wanted = blocks_per_sm * multiprocessors(device)
     per_group = nheads // ngroups
     allowed = [hb for hb in sorted(group_divisors(nheads, ngroups), reverse=True)
                if per_group // hb <= MAX_SPLITS] or [1]
@@ -387,15 +561,21 @@ def scores_in_memory(dstate):
     return tile_size(dstate) == 128
 
 
-def fuse_states(dstate, tokens=None):
-    """Whether the token kernel does ``bwd_chunk_states``' work too by default (FUSE_STATES):
-    yes, except where dstate's tile is 256 from 16K tokens (batch x seqlen; None: a long
+def fuse_states(dstate, tokens=None, pairs=False):
+    """Whether the token kernel does ``bwd_chunk_states``' work too by default (FUSE_STATES).
+    After the pair kernel (``pairs``), always: the token kernel then holds no dG and no
+    quadratic dB/dC work, and fused it took less time at 1 x 64K x dstate 256, the one shape
+    timed where the rule without it unfuses (``tests/benchmark/results/bwd_pairs_fuse_h200.csv``).
+    Without it: yes,
+    except where dstate's tile is 256 from 16K tokens (batch x seqlen; None: a long
     sequence). There the fused kernel spills (its register count: ``python -m ops.tools.sass``)
     and the backward alone takes less time unfused; at dstate 128 it takes more
     (``tests/benchmark/results/bwd_compute_out_variants_h200.csv``; PERF_NOTES.md, "The token
     kernel does three steps in one block"). Unfusing costs memory: dx in float32 until the end,
     and ``bwd_chunk_states``' dB partials (``ops.backward.memory_accounting`` counts both).
     Shorter sequences and dstate 512 are untimed unfused, so they stay fused."""
+    if pairs:
+        return True
     long = tokens is None or tokens >= 16384
     return not (tile_size(dstate) == 256 and long)
 
@@ -407,7 +587,11 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
     FUSE_STATES (``fuse_states``): ``ops/backward.py`` lets the token kernel do
     ``bwd_chunk_states``' work too (False: it launches that kernel after this one), except at
-    dstate 256 from 16K tokens. SCORES_IN_MEMORY where dstate's tile is 128
+    dstate 256 from 16K tokens without the pair kernel. PAIRS (``PAIRS_DEFAULT``): the pair
+    kernel first, with PAIR_HEADS_PER_BLOCK heads per block (``default_heads_per_block`` at
+    ``PAIR_BLOCKS_PER_SM``); it forms C B^T itself, so SCORES_IN_MEMORY then has no effect.
+    LOAD_LAT 0: no latency hint on the tile loads (3, 6 and 10 took longer at the 2.7B shape).
+    SCORES_IN_MEMORY where dstate's tile is 128
     (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
     bt = default_block_t(chunk_size, headdim, dstate)
     if seqlen is None:
@@ -416,20 +600,35 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
         tiles = cdiv(seqlen, chunk_size) * (chunk_size // bt)
         hb = default_heads_per_block(nheads=nheads, ngroups=ngroups,
                                      blocks_per_head_block=batch * tiles)
+    if seqlen is None:
+        phb = nheads // ngroups
+    else:
+        pairs = cdiv(seqlen, chunk_size) * pairs_per_chunk(chunk_size // bt)
+        phb = default_heads_per_block(nheads=nheads, ngroups=ngroups,
+                                      blocks_per_head_block=batch * pairs,
+                                      blocks_per_sm=PAIR_BLOCKS_PER_SM)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
                 num_worker_warps=WORKER_WARPS,
-                FUSE_STATES=fuse_states(dstate, None if seqlen is None else batch * seqlen),
-                SCORES_IN_MEMORY=scores_in_memory(dstate))
+                FUSE_STATES=fuse_states(dstate, None if seqlen is None else batch * seqlen,
+                                        PAIRS_DEFAULT),
+                SCORES_IN_MEMORY=scores_in_memory(dstate), PAIRS=PAIRS_DEFAULT,
+                PAIR_HEADS_PER_BLOCK=phb, LOAD_LAT=0, PREFETCH=False)
+
+
+def pairs_per_chunk(tiles):
+    """The (row tile, column tile) pairs of a chunk's causal quadratic form: row >= column."""
+    return tiles * (tiles + 1) // 2
 
 
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
-    """Variants worth timing (the default first, at most 11): the other token tile (32 or 64),
+    """Variants worth timing (the default first, at most 14): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
     multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
-    default (in a kernel of their own, or fused), and C B^T the other way than the default
-    (read from memory or formed per head; alone and with one head per block)."""
+    default (in a kernel of their own, or fused), C B^T the other way than the default
+    (read from memory or formed per head; alone and with one head per block), the pair kernel
+    the other way, and with it half and twice its default heads per block."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]
@@ -449,6 +648,13 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     other = not base["SCORES_IN_MEMORY"]
     configs += [{**base, "SCORES_IN_MEMORY": other},
                 {**base, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
+    # the pair kernel the other way; with it, its heads per block halved and doubled
+    configs.append({**base, "PAIRS": not base["PAIRS"]})
+    pairs = {**base, "PAIRS": True}
+    phb = base["PAIR_HEADS_PER_BLOCK"]
+    for other_phb in (phb // 2, phb * 2):
+        if other_phb in group_divisors(nheads, ngroups):
+            configs.append({**pairs, "PAIR_HEADS_PER_BLOCK": other_phb})
     return unique(configs)
 
 
@@ -575,17 +781,39 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
         D = (D[:, None].expand(nheads, headdim) if D.dim() == 1 else D).float().contiguous()
     scores, before = None, ()
-    if cfg["SCORES_IN_MEMORY"]:
+    stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
+    pair_outputs = (None, None, None)
+    if cfg["PAIRS"]:
+        # the pair kernel: C B^T (read by the token kernel), d(C B^T) summed over heads, dG's sums
+        phb = cfg["PAIR_HEADS_PER_BLOCK"]
+        if phb not in group_divisors(nheads, ngroups):
+            raise ValueError(f"PAIR_HEADS_PER_BLOCK ({phb}) must divide the "
+                             f"{nheads // ngroups} heads of a group")
+        psplits = (nheads // ngroups) // phb
+        scores = new_scores(B, chunk_size, poison)
+        dcb_parts = new_output((psplits, batch, nchunks, ngroups, chunk_size, chunk_size),
+                               torch.float32, device, poison)
+        sums = (batch, nheads, nchunks, chunk_size // bt, chunk_size)
+        cols = new_output(sums, torch.float32, device, poison)
+        rows = new_output(sums, torch.float32, device, poison)
+        pair_args = (dy, x, B, C, dt_out, dA_cumsum, seq_arg, scores, dcb_parts, cols, rows,
+                     nheads // ngroups, phb, chunk_size, bt, tile_size(headdim),
+                     tile_size(dstate), seq_idx is not None, cfg["LOAD_LAT"])
+        pair_grid = (nchunks * (chunk_size // bt) ** 2 * ngroups * psplits, batch)
+        before = (Plan(pair_grid, fit_index_width(bwd_pairs_kernel, pair_args, cfg["INDEX64"]),
+                       pair_args, (scores, dcb_parts, cols, rows)),)
+        pair_outputs = (dcb_parts, cols, rows)
+    elif cfg["SCORES_IN_MEMORY"]:
         # C B^T once per (chunk, group), in the token kernel's tiles
         scores = new_scores(B, chunk_size, poison)
         before = (chunk_scores_plan(B, C, scores, bt, bt, min(tile_size(dstate), 128)),)
-    stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
     args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
             ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2), stand_in(dD_parts, 4),
             entry_states if scores is None else scores,      # (never read without scores)
+            *(stand_in(t, n) for t, n in zip(pair_outputs, (6, 5, 5))),
             nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
             tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
-            scores is not None)
+            scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"], cfg["PREFETCH"])
     kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
     grid = (tiles * ngroups * splits, batch)
     outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
