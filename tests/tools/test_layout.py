@@ -2,7 +2,7 @@
 
 The layers, from the top (a module imports only from its own layer or the ones below):
 
-    api        ops (the package), ssd_combined, mixer, torch_op
+    api        ops (the package), ssd_combined, mixer, torch_op, context_parallel
     pipeline   forward, backward, varlen_states, inputs, core/ (the small teaching kernels)
     kernels    kernels/ (forward) and kernels/backward/
     tuning     tuning/ (configs, the tuner, the compute chunk)
@@ -39,7 +39,7 @@ def module_name(path):
 
 def layer(module):
     parts = module.split(".")
-    if module in ("ops", "ops.ssd_combined", "ops.mixer", "ops.torch_op"):
+    if module in ("ops", "ops.ssd_combined", "ops.mixer", "ops.torch_op", "ops.context_parallel"):
         return "api"
     if parts[1] in ("forward", "backward", "varlen_states", "inputs", "core"):
         return "pipeline"
@@ -180,7 +180,8 @@ def test_the_reference_path_needs_no_cuda_tile():
     assert "cuda.tile" not in optional_needs("ops")
 
 
-@pytest.mark.parametrize("name", ["mamba_chunk_scan_combined", "Mamba2Mixer"])
+@pytest.mark.parametrize("name", ["mamba_chunk_scan_combined", "Mamba2Mixer",
+                                  "context_parallel_chunk_scan"])
 def test_public_names(name):
     import ops
     assert name in ops.__all__ and callable(getattr(ops, name))
