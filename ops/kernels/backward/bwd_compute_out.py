@@ -591,6 +591,10 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     kernel first, with PAIR_HEADS_PER_BLOCK heads per block (``default_heads_per_block`` at
     ``PAIR_BLOCKS_PER_SM``); it forms C B^T itself, so SCORES_IN_MEMORY then has no effect.
     LOAD_LAT 0: no latency hint on the tile loads (3, 6 and 10 took longer at the 2.7B shape).
+    PREFETCH False: loading the next head's entry state and dS a head ahead is tested on the
+    interpreter, and at 64 x 128 compiles for sm_90 to 255 registers a thread with fewer spills
+    than the default's 168-register code (``ops.tools.sass.sass_report``), but it is untimed, so
+    it stays off.
     SCORES_IN_MEMORY where dstate's tile is 128
     (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
     bt = default_block_t(chunk_size, headdim, dstate)
