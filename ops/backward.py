@@ -200,6 +200,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         pair_splits = per_group // out_cfg["PAIR_HEADS_PER_BLOCK"]
         scores["d(C B^T) partials"] = pair_splits * scores["C B^T scores"]
         scores["dG's row and column sums"] = 2 * chunked * (chunk_size // out_cfg["BLOCK_T"])
+        if out_cfg["SPLIT_DX"]:
+            scores["the states' ddt and ddA terms"] = 2 * chunked
     # fused: dx written once, complete, in x's dtype; else float32, completed by chunk_states
     # and converted at the end
     dx = {"dx (x's dtype)": tokens * e} if fused else {"dx (float32)": tokens * f32}

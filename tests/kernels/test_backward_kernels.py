@@ -262,6 +262,12 @@ def test_backward_kernels_take_configs_by_name(launched):
     assert "bwd_pairs_kernel" in launched and "chunk_scores_kernel" not in launched
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name
+    launched.clear()
+    got = kernel_backward(*args, **opts, configs={"bwd_compute_out": dict(SPLIT_DX=True)})
+    assert {"bwd_token_states_kernel", "bwd_token_dx_kernel"} <= set(launched)
+    assert "bwd_compute_out_kernel" not in launched
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-5, name
     with pytest.raises(ValueError, match="unknown config keys"):
         kernel_backward(*args, **opts, configs={"bwd_chunk_states": dict(BLOCK_M=16)})
     with pytest.raises(ValueError, match="unknown kernels"):
@@ -357,6 +363,7 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
 UNFUSED = {"bwd_compute_out": dict(FUSE_STATES=False)}
 ENTRY_LAUNCH = {"bwd_pass_state": dict(FUSE_ENTRY=False)}
 PAIRS = {"bwd_compute_out": dict(PAIRS=True, BLOCK_T=16)}
+SPLIT_DX = {"bwd_compute_out": dict(SPLIT_DX=True)}
 
 
 @pytest.mark.parametrize("z, initial_states, dstate, ngroups, chunk, configs", [
@@ -365,10 +372,10 @@ PAIRS = {"bwd_compute_out": dict(PAIRS=True, BLOCK_T=16)}
     (False, False, 32, 2, 64, UNFUSED), (True, True, 32, 2, 64, UNFUSED),
     (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, ENTRY_LAUNCH),
     (False, False, 64, 1, 16, None), (True, True, 32, 2, 64, ENTRY_LAUNCH),
-    (False, False, 32, 1, 64, PAIRS)],
+    (False, False, 32, 1, 64, PAIRS), (True, True, 32, 2, 64, SPLIT_DX)],
     ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
          "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-entry-launch-pass-peak",
-         "chunk16-entry-in-pass", "z-initial-entry-launch", "pairs-g1"])
+         "chunk16-entry-in-pass", "z-initial-entry-launch", "pairs-g1", "z-initial-split-dx"])
 def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
                                             chunk, configs):
     """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,

@@ -106,6 +106,14 @@ CASES = [
                  id="pairs-packed-ragged-one-tile-per-chunk"),
     pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(BLOCK_T=16, PAIRS=True),
                  id="pairs-whole-chunks-g1"),
+    # after the pair kernel, the states' products and dB, dC in one launch, dx, ddt and ddA in
+    # another with one head per block: several tiles per chunk, tiles past the sequence, packed
+    # sequences; head splits
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=1, PAIRS=True, SPLIT_DX=True),
+                 id="split-dx-tiles16-seq-head-partials"),
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=4, SPLIT_DX=True),
+                 id="split-dx-whole-group-of-four"),
     # the next head's entry state loaded a head ahead (the last head loads itself again)
     pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=4, PREFETCH=True),
                  id="prefetch-whole-group-of-four"),
@@ -131,8 +139,8 @@ def test_matches_the_reference(device, dtype, case, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("D_dims", [1, 2], ids=["D-1d", "D-2d"])
-@pytest.mark.parametrize("case, config", [CASES[0], CASES[3], CASES[-1],
-                                          CASES[-4]])       # prefetch; the token kernel alone
+@pytest.mark.parametrize("case, config", [CASES[0], CASES[3], CASES[-1], CASES[-2], CASES[-3],
+                                          CASES[-6]])   # prefetch; split dx; the token kernel alone
 def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
     """With dS and D the token kernel's outputs are compute_out's gradients plus
     ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
@@ -306,6 +314,12 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, config=dict(BLOCK_T=64))     # more than the chunk (32)
     with pytest.raises(ValueError, match="unknown config keys"):
         bwd_compute_out_plan(**inputs, config=dict(BLOCK_M=32))
+    with pytest.raises(ValueError, match="SPLIT_DX needs the pair kernel"):
+        bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, PAIRS=False))
+    with pytest.raises(ValueError, match="DX_WORKER_WARPS"):
+        bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, DX_WORKER_WARPS=6))
+    with pytest.raises(ValueError, match="DX_OCCUPANCY"):
+        bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, DX_OCCUPANCY=0))
 
 
 # Ahead-of-time compilation (both kernels) ------------------------------------------------------
@@ -340,6 +354,8 @@ COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=Fa
                          id="layer-scores-in-memory-sm_90")]
 COMPILE += [pytest.param(dict(chunk=128, config=dict(PAIRS=True)), arch, id=f"layer-pairs-{arch}")
             for arch in ("sm_80", "sm_90", "sm_100")]
+COMPILE += [pytest.param(dict(chunk=128, config=dict(SPLIT_DX=True)), arch,
+                         id=f"layer-split-dx-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)

@@ -82,6 +82,16 @@ The pair kernel first (PAIRS, the default)
     them): C B^T, the d(C B^T) partials and the (b, h, c, CHUNK / BLOCK_T, CHUNK) row and
     column sums, all float32.
 
+Split dx (SPLIT_DX, with the pair kernel; off by default: untimed)
+    After the pair kernel, the token kernel's block still holds the (BLOCK_T, dstate) dB and dC
+    accumulators through its whole loop over heads, which is what keeps it at one block per
+    multiprocessor; dx, ddt and ddA need none of them. SPLIT_DX gives each half a launch of its
+    own: ``bwd_token_states_kernel`` (the token kernel's blocks and head loop) makes the states'
+    products (dy @ entry, x @ dS) into dB and dC, and each head's states' terms of ddt and ddA
+    into two (b, h, c, CHUNK) float32 buffers, and adds the quadratic dB and dC;
+    ``bwd_token_dx_kernel``, one block per (token tile, head), then forms G for dx, adds
+    v (B dS^T) and D dy, and completes ddt and ddA from the pair kernel's sums and those buffers.
+
 dB and dC across the heads of a group (deterministic, no atomics)
     B and C are shared by the heads of a group, so their gradients are sums over those heads. A
     block loops over HEADS_PER_BLOCK heads of one group in order and sums their contributions in
@@ -178,6 +188,22 @@ def dcb_tile(dcb_parts, b, c, g, i, j, BLOCK_T, LOAD_LAT):
                     latency=latency_hint(LOAD_LAT))
         acc = acc + ct.reshape(t, (BLOCK_T, BLOCK_T))
     return acc
+
+
+def group_quadratic(dcb_parts, B, C, dB_acc, dC_acc, b, c, g, t, valid, TILES, BLOCK_T, N, op,
+                    LOAD_LAT):
+    """dB_acc and dC_acc plus token tile t's quadratic-form terms for group g, from the pair
+    kernel's d(C B^T) summed over the group's heads (its head splits added in order): dB over
+    the row tiles i >= t, dC over the column tiles j <= t. Once per group, not once per head."""
+    for i in range(t, valid):
+        d_it = dcb_tile(dcb_parts, b, c, g, i, t, BLOCK_T, LOAD_LAT).astype(op)
+        c_i = token_rows(C, b, c * TILES + i, g, BLOCK_T, N, LOAD_LAT)
+        dB_acc = ct.mma(ct.transpose(d_it), c_i.astype(op), dB_acc)
+    for j in range(t + 1):
+        d_tj = dcb_tile(dcb_parts, b, c, g, t, j, BLOCK_T, LOAD_LAT).astype(op)
+        b_j = token_rows(B, b, c * TILES + j, g, BLOCK_T, N, LOAD_LAT)
+        dC_acc = ct.mma(d_tj, b_j.astype(op), dC_acc)
+    return dB_acc, dC_acc
 
 
 @ct.kernel
@@ -381,16 +407,8 @@ def bwd_compute_out_kernel(
             ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
             ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
         if PAIRS and split == 0:
-            # The quadratic form's dB and dC from d(C B^T) summed over the group's heads (the
-            # pair kernel's splits added in order): once per group, not once per head.
-            for i in range(t, valid):
-                d_it = dcb_tile(dcb_parts, b, c, g, i, t, BLOCK_T, LOAD_LAT).astype(op)
-                c_i = token_rows(C, b, c * TILES + i, g, BLOCK_T, N, LOAD_LAT)
-                dB_acc = ct.mma(ct.transpose(d_it), c_i.astype(op), dB_acc)
-            for j in range(t + 1):
-                d_tj = dcb_tile(dcb_parts, b, c, g, t, j, BLOCK_T, LOAD_LAT).astype(op)
-                b_j = token_rows(B, b, c * TILES + j, g, BLOCK_T, N, LOAD_LAT)
-                dC_acc = ct.mma(d_tj, b_j.astype(op), dC_acc)
+            dB_acc, dC_acc = group_quadratic(dcb_parts, B, C, dB_acc, dC_acc, b, c, g, t, valid,
+                                             TILES, BLOCK_T, N, op, LOAD_LAT)
         ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
         ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
 
@@ -457,6 +475,199 @@ def bwd_pairs_kernel(
             acc = acc + dG_m * dt_j[None, :]
         ct.store(dcb_parts, (split, b, c, g, i, j),
                  ct.reshape(acc, (1, 1, 1, 1, BLOCK_T, BLOCK_T)))
+
+
+def own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, c, CHUNK, BLOCK_T,
+                      HAS_SEQ_IDX):
+    """(decay, v) of a token tile for chunk c's own state S[c] = sum_s v[s] outer(x[s], B[s]):
+    decay = exp2(dA[last] - dA) for the tokens of the sequence the chunk's last token belongs to
+    (0 for the others), v = decay dt."""
+    keep = ct.full((BLOCK_T,), 1.0, dtype=ct.float32)
+    if HAS_SEQ_IDX:
+        seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
+        keep = ct.where(seq_t == seq_last, 1.0, 0.0)
+    dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
+    decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
+    return decay, decay * dt_t
+
+
+@ct.kernel
+def bwd_token_states_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    C: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    entry_states: ct.IndexedWithInt64,  # (batch, nchunks, nheads, headdim, dstate)
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dB: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
+    dC: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
+    state_ddt: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32: the states'
+    state_ddA: ct.IndexedWithInt64,     # terms of ddt and ddA, for bwd_token_dx_kernel
+    dS: ct.IndexedWithInt64,            # (batch, nchunks, nheads, headdim, dstate); unread
+                                        # unless WITH_STATES
+    ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T) float32;
+                                        # unwritten unless WITH_STATES
+    dcb_parts: ct.IndexedWithInt64,     # (pair splits, batch, nchunks, ngroups, CHUNK, CHUNK)
+    heads_per_group: int,
+    heads_per_block: int,
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,
+    P: ConstInt,
+    N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    BF16_OPERANDS: ConstBool,
+    WITH_STATES: ConstBool,
+    LOAD_LAT: ConstInt,
+):
+    splits = heads_per_group // heads_per_block
+    head_blocks = dB.shape[3] * splits
+    hblock = ct.bid(0) % head_blocks
+    tile = ct.bid(0) // head_blocks
+    b = ct.bid(1)
+    g, split = hblock // splits, hblock % splits
+    first_head = g * heads_per_group + split * heads_per_block
+    TILES = CHUNK // BLOCK_T
+    c, t = tile // TILES, tile % TILES
+    valid = min(TILES, ct.cdiv(x.shape[1] - c * CHUNK, BLOCK_T))
+    op = x.dtype if BF16_OPERANDS else ct.float32
+    if t >= valid:
+        # past the sequence: ddA_tiles' zeros here, ddt's and ddA's in bwd_token_dx_kernel
+        if WITH_STATES:
+            for k in range(heads_per_block):
+                ct.store(ddA_tiles, (b, first_head + k, c, t), ct.zeros((), dtype=ct.float32))
+    else:
+        c_t = token_rows(C, b, tile, g, BLOCK_T, N, LOAD_LAT)
+        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT)
+        seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
+        dB_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        dC_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
+        for k in range(heads_per_block):                # the group's heads, in order
+            h = first_head + k
+            dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+            dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
+            # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
+            state = head_state(entry_states, b, c, h, P, N).astype(op)
+            dy_state = ct.mma(dy_t.astype(op), state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+            w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+            dC_acc = dC_acc + dy_state * w_t[:, None]
+            grad_dA = w_t * ct.sum(dy_state * c_t.astype(ct.float32), axis=1)
+            grad_dt = ct.zeros((BLOCK_T,), dtype=ct.float32)
+            if WITH_STATES:
+                # Through the chunk's own state: x dS, for dB and for the write weights' dv.
+                dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
+                decay, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1],
+                                             b, h, c, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+                x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
+                ds = head_state(dS, b, c, h, P, N).astype(op)
+                x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+                dB_acc = dB_acc + x_ds * v[:, None]
+                dv = ct.sum(x_ds * b_t.astype(ct.float32), axis=1)
+                grad_dt = dv * decay
+                dvv = dv * v
+                grad_dA = grad_dA - dvv     # and sum(dv v) at the chunk's last token: ddA_tiles
+                ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
+            ct.store(state_ddt, (b, h, c, t), ct.reshape(grad_dt, (1, 1, 1, BLOCK_T)))
+            ct.store(state_ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+        if split == 0:
+            dB_acc, dC_acc = group_quadratic(dcb_parts, B, C, dB_acc, dC_acc, b, c, g, t, valid,
+                                             TILES, BLOCK_T, N, op, LOAD_LAT)
+        ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
+        ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
+
+
+@ct.kernel
+def bwd_token_dx_kernel(
+    dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
+    x: ct.IndexedWithInt64,             # (batch, seqlen, nheads, headdim)
+    B: ct.IndexedWithInt64,             # (batch, seqlen, ngroups, dstate), x's dtype
+    dt_out: ct.IndexedWithInt64,        # (batch, nheads, nchunks, CHUNK) float32
+    dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
+    seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
+    dx: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim)
+    ddt: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32
+    ddA: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32, natural units
+    state_ddt: ct.IndexedWithInt64,     # bwd_token_states_kernel's terms of ddt and ddA
+    state_ddA: ct.IndexedWithInt64,
+    dS: ct.IndexedWithInt64,            # unread unless WITH_STATES
+    D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
+    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials
+    scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
+    cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
+    rows: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
+    heads_per_group: int,
+    CHUNK: ConstInt,
+    BLOCK_T: ConstInt,
+    P: ConstInt,
+    N: ConstInt,
+    HAS_SEQ_IDX: ConstBool,
+    BF16_OPERANDS: ConstBool,
+    WITH_STATES: ConstBool,
+    WITH_SKIP: ConstBool,
+    LOAD_LAT: ConstInt,
+):
+    nheads = x.shape[2]
+    h = ct.bid(0) % nheads
+    tile = ct.bid(0) // nheads
+    b = ct.bid(1)
+    g = h // heads_per_group
+    TILES = CHUNK // BLOCK_T
+    c, t = tile // TILES, tile % TILES
+    valid = min(TILES, ct.cdiv(x.shape[1] - c * CHUNK, BLOCK_T))
+    op = x.dtype if BF16_OPERANDS else ct.float32
+    if t >= valid:
+        # Past the end of the sequence: only ddt and ddA (whole chunks) are there, all zero.
+        zero = ct.zeros((1, 1, 1, BLOCK_T), dtype=ct.float32)
+        ct.store(ddt, (b, h, c, t), zero)
+        ct.store(ddA, (b, h, c, t), zero)
+        if WITH_SKIP:
+            ct.store(dD, (b, tile, h, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
+    else:
+        pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+        seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
+        dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+        dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
+        # Tile t as the source tokens s: G for dx, the pair kernel's sums for ddt.
+        dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
+        ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
+        for i in range(t, valid):
+            row_tile = c * TILES + i
+            dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT)
+            dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+            pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+            seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+            cb = score_tile(scores, dy_i, dy_i, b, c, g, i, t, BLOCK_T, True, LOAD_LAT)
+            m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
+            ddt_acc = ddt_acc + ct.reshape(
+                ct.load(cols, (b, h, c, i, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+            G = cb * m * dt_t[None, :]
+            dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+        # ddA: the states' terms (carried in, own state), minus the column sums of dG G (dt
+        # times ddt's), plus the row sums
+        grad_dA = chunk_tokens(state_ddA, b, h, c, t, BLOCK_T) - ddt_acc * dt_t
+        for j in range(t + 1):
+            grad_dA = grad_dA + ct.reshape(
+                ct.load(rows, (b, h, c, j, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+        ddt_acc = ddt_acc + chunk_tokens(state_ddt, b, h, c, t, BLOCK_T)
+        if WITH_STATES:
+            # through the chunk's own state: dx gets v (B dS^T)
+            _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
+                                     CHUNK, BLOCK_T, HAS_SEQ_IDX)
+            b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
+            ds = head_state(dS, b, c, h, P, N).astype(op)
+            b_ds = ct.mma(b_t, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
+            dx_acc = dx_acc + b_ds * v[:, None]
+        if WITH_SKIP:
+            # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
+            dy_f32 = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
+            x_f32 = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
+            d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+            dx_acc = dx_acc + dy_f32 * d_h[None, :]
+            ct.store(dD, (b, tile, h, 0), ct.reshape(ct.sum(dy_f32 * x_f32, axis=0), (1, 1, 1, P)))
+        ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
+        ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
+        ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
 
 
 @ct.kernel
@@ -591,6 +802,10 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     kernel first, with PAIR_HEADS_PER_BLOCK heads per block (``default_heads_per_block`` at
     ``PAIR_BLOCKS_PER_SM``); it forms C B^T itself, so SCORES_IN_MEMORY then has no effect.
     LOAD_LAT 0: no latency hint on the tile loads (3, 6 and 10 took longer at the 2.7B shape).
+    SPLIT_DX False (module docstring, "Split dx"): tested on the interpreter, untimed. Its dx
+    launch takes DX_OCCUPANCY 2 blocks of DX_WORKER_WARPS 8 worker warps per multiprocessor:
+    compiled for sm_90 at 64 x 128, 80 registers a thread and no spills (the compiler's own
+    choice takes 255 registers a thread, and four blocks 56 with spills).
     PREFETCH False: loading the next head's entry state and dS a head ahead is tested on the
     interpreter, and at 64 x 128 compiles for sm_90 to 255 registers a thread with fewer spills
     than the default's 168-register code (``ops.tools.sass.sass_report``), but it is untimed, so
@@ -617,7 +832,8 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                 FUSE_STATES=fuse_states(dstate, None if seqlen is None else batch * seqlen,
                                         PAIRS_DEFAULT),
                 SCORES_IN_MEMORY=scores_in_memory(dstate), PAIRS=PAIRS_DEFAULT,
-                PAIR_HEADS_PER_BLOCK=phb, LOAD_LAT=0, PREFETCH=False)
+                PAIR_HEADS_PER_BLOCK=phb, LOAD_LAT=0, PREFETCH=False, SPLIT_DX=False,
+                DX_OCCUPANCY=2, DX_WORKER_WARPS=8)
 
 
 def pairs_per_chunk(tiles):
@@ -626,13 +842,14 @@ def pairs_per_chunk(tiles):
 
 
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
-    """Variants worth timing (the default first, at most 14): the other token tile (32 or 64),
+    """Variants worth timing (the default first, at most 16): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
     multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
     default (in a kernel of their own, or fused), C B^T the other way than the default
     (read from memory or formed per head; alone and with one head per block), the pair kernel
-    the other way, and with it half and twice its default heads per block."""
+    the other way, and with it dx in a launch of its own (SPLIT_DX, at two hints) and half and
+    twice its default heads per block."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]
@@ -652,8 +869,12 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     other = not base["SCORES_IN_MEMORY"]
     configs += [{**base, "SCORES_IN_MEMORY": other},
                 {**base, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
-    # the pair kernel the other way; with it, its heads per block halved and doubled
+    # the pair kernel the other way; with it, dx in a launch of its own, and its heads per
+    # block halved and doubled
     configs.append({**base, "PAIRS": not base["PAIRS"]})
+    configs += [{**base, "PAIRS": True, "SPLIT_DX": True},
+                {**base, "PAIRS": True, "SPLIT_DX": True, "DX_OCCUPANCY": 4,
+                 "DX_WORKER_WARPS": None}]
     pairs = {**base, "PAIRS": True}
     phb = base["PAIR_HEADS_PER_BLOCK"]
     for other_phb in (phb // 2, phb * 2):
@@ -811,16 +1032,47 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         # C B^T once per (chunk, group), in the token kernel's tiles
         scores = new_scores(B, chunk_size, poison)
         before = (chunk_scores_plan(B, C, scores, bt, bt, min(tile_size(dstate), 128)),)
-    args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts, ddt,
-            ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2), stand_in(dD_parts, 4),
-            entry_states if scores is None else scores,      # (never read without scores)
-            *(stand_in(t, n) for t, n in zip(pair_outputs, (6, 5, 5))),
-            nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
-            tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
-            scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"], cfg["PREFETCH"])
-    kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
     grid = (tiles * ngroups * splits, batch)
     outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
+    if cfg["SPLIT_DX"]:
+        # two launches after the pair kernel: the states' products and dB, dC over each block's
+        # heads; then dx, ddt and ddA with one head per block
+        if not cfg["PAIRS"]:
+            raise ValueError("SPLIT_DX needs the pair kernel (PAIRS=True)")
+        state_ddt = new_output(dt_out.shape, torch.float32, device, poison)
+        state_ddA = new_output(dt_out.shape, torch.float32, device, poison)
+        dcb_parts, cols, rows = pair_outputs
+        states_args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dB_parts, dC_parts,
+                       state_ddt, state_ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), dcb_parts,
+                       nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
+                       tile_size(dstate), seq_idx is not None, bf16, dS is not None,
+                       cfg["LOAD_LAT"])
+        states_kernel = with_hints(fit_index_width(bwd_token_states_kernel, states_args,
+                                                   cfg["INDEX64"]), cfg)
+        before = before + (Plan(grid, states_kernel, states_args,
+                                (dB_parts, dC_parts, state_ddt, state_ddA, ddA_tiles)),)
+        args = (dy, x, B, dt_out, dA_cumsum, seq_arg, dx, ddt, ddA, state_ddt, state_ddA,
+                stand_in(dS, 5), stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows,
+                nheads // ngroups, chunk_size, bt, tile_size(headdim), tile_size(dstate),
+                seq_idx is not None, bf16, dS is not None, D is not None, cfg["LOAD_LAT"])
+        occ, warps = cfg["DX_OCCUPANCY"], cfg["DX_WORKER_WARPS"]
+        if occ is not None and not (isinstance(occ, int) and 1 <= occ <= 32):
+            raise ValueError(f"DX_OCCUPANCY must be None or an int in 1..32, got {occ!r}")
+        if warps not in (None, 4, 8):
+            raise ValueError(f"DX_WORKER_WARPS must be None, 4 or 8, got {warps!r}")
+        kernel = with_hints(fit_index_width(bwd_token_dx_kernel, args, cfg["INDEX64"]),
+                            dict(occupancy=occ, num_worker_warps=warps))
+        grid = (tiles * nheads, batch)
+    else:
+        args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts,
+                ddt, ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2),
+                stand_in(dD_parts, 4),
+                entry_states if scores is None else scores,      # (never read without scores)
+                *(stand_in(t, n) for t, n in zip(pair_outputs, (6, 5, 5))),
+                nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
+                tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
+                scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"], cfg["PREFETCH"])
+        kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
     if launches == "tokens":
         return Plan(grid, kernel, args, outputs, before)
     return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,) + before)
