@@ -106,7 +106,7 @@ def context_parallel_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_b
     group = _group(process_group)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     plan = _agree(group, size, rank, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states,
-                  seq_idx, cu_seqlens, dt_limit, state_dtype, backend)
+                  seq_idx, cu_seqlens, dt_softplus, dt_limit, state_dtype, backend)
 
     # This rank's slice from its entry state set to zero: rank 0 starts from the real one.
     out, own = mamba_chunk_scan_combined(
@@ -123,7 +123,13 @@ def context_parallel_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_b
         dt_used = process_dt(dt.to(cdt), None if dt_bias is None else dt_bias.to(cdt),
                              dt_softplus, dt_limit)
         dA_cumsum = torch.cumsum(dt_used * A.to(cdt), dim=1)              # (b, L, h)
-        decay = torch.exp(dA_cumsum[:, -1]).to(sdt)                       # (b, h)
+        # Masks go on exponents (-inf), never on exp's result: where A > 0 exp may overflow,
+        # and a masked inf would still make the backward's 0 * inf a NaN. A slice in which a
+        # sequence starts carries no state through: decay 0.
+        last = dA_cumsum[:, -1]
+        if seq_idx is not None:
+            last = torch.where((seq_idx[:, 0] == seq_idx[:, -1])[:, None], last, -torch.inf)
+        decay = torch.exp(last).to(sdt)                                   # (b, h)
     ends = None if seq_idx is None else torch.stack([seq_idx[:, 0], seq_idx[:, -1]]).long()
 
     link, entry, final, entry_id = _exchange(group, size, rank, plan, decay, own, ends,
@@ -135,9 +141,10 @@ def context_parallel_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_b
         # y_l += exp(dA_cumsum[l]) * (S_in C_l), on the tokens of the sequence S_in belongs to,
         # gated by silu(z_l) as the rest of y: in float32 (float64), added to the local output.
         g = C.shape[2]
-        carried = torch.exp(dA_cumsum.to(sdt))
-        if seq_idx is not None:         # where, not a product: exp may overflow where A > 0
-            carried = torch.where((seq_idx == entry_id[:, None])[..., None], carried, 0.0)
+        exponent = dA_cumsum.to(sdt)
+        if seq_idx is not None:         # on the exponent, as above
+            exponent = torch.where((seq_idx == entry_id[:, None])[..., None], exponent, -torch.inf)
+        carried = torch.exp(exponent)
         read = torch.einsum("blgn,bgkpn->blgkp", C.to(sdt), entry.unflatten(1, (g, h // g)))
         term = read.flatten(2, 3) * carried[..., None]
         if z is not None:
@@ -256,16 +263,18 @@ def _previous_tokens(t, count, group):
 # Agreement on shapes and options, then the exchange --------------------------------------------
 
 # What each rank tells the others before anything else. The fields between the first and the
-# last must agree: the exchanged tensors' shapes and dtype, which exchanges run, and whether the
-# backward (a collective) will run.
+# last must agree: the exchanged tensors' shapes and dtype, which exchanges run, whether the
+# backward (a collective) will run, and the options that, were they to differ, would give a
+# silently wrong result (chunk_size changes only the rounding, and is let differ).
 _HEADER = ("inputs accepted", "batch (x.shape[0])", "nheads (x.shape[2])", "headdim (x.shape[3])",
            "ngroups (B.shape[2])", "dstate (B.shape[3])", "x.dtype", "seq_idx given",
-           "initial_states given", "grad mode", "needs a gradient")
+           "initial_states given", "D given", "z given", "dt_bias given", "dt_softplus",
+           "grad mode", "needs a gradient")
 
 
 @torch.compiler.disable
 def _agree(group, size, rank, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
-           cu_seqlens, dt_limit, state_dtype, backend):
+           cu_seqlens, dt_softplus, dt_limit, state_dtype, backend):
     """Check this rank's inputs, then all-gather a header of shapes and options, so that every
     rank raises together: where one rank's inputs are refused (the others would wait for it in
     the next collective) or where the ranks disagree on what must be the same everywhere.
@@ -292,6 +301,7 @@ def _agree(group, size, rank, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial
                                                      for t in tensors)
         mine = [1, x.shape[0], x.shape[2], x.shape[3], B.shape[2], B.shape[3],
                 _DTYPES.index(x.dtype), seq_idx is not None, initial_states is not None,
+                D is not None, z is not None, dt_bias is not None, bool(dt_softplus),
                 torch.is_grad_enabled(), needs_grad]
     else:
         mine = [0] * len(_HEADER)
