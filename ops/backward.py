@@ -13,7 +13,8 @@ the specification, step by step, and names the same quantities):
                            each chunk's dentry formed in the walk from dy and C: FUSE_ENTRY,
                            ``BACKWARD_DEFAULTS``; with FUSE_ENTRY=False compute_out's dentry
                            launch runs first, dy -> dentry, and the walk reads dentry)
-    (c) bwd_compute_out    its token launch: dy, dS, D -> dx (complete, in its final dtype),
+    (c) bwd_compute_out    the pair kernel (dy x^T's sums and d(C B^T) summed over heads), then
+                           its token launch: dy, dS, D -> dx (complete, in its final dtype),
                            dB, dC (each summed over its group's heads), ddt_out, ddA_cumsum,
                            dD's partials: compute_out's gradients, those through each chunk's
                            own state (bwd_chunk_states' work, fused: FUSE_STATES) and the skip's
@@ -27,7 +28,8 @@ gradients are bitwise reproducible. With z, the token kernel's skip terms (D dy 
 dy x) read dy as rounded to x's dtype, the kernels' operand, where the specification takes it
 in float32: one more rounding of dy (bf16: 2**-9 relative) in those two terms; without z, dy is
 dout itself and nothing changes. With ``configs={"bwd_compute_out": {"FUSE_STATES": False}}``
-(the default at dstate 256 from 16K tokens: ``bwd_compute_out.fuse_states``) the token launch
+(without the pair kernel, the default at dstate 256 from 16K tokens:
+``bwd_compute_out.fuse_states``) the token launch
 leaves the states' gradients to ``bwd_chunk_states``, launched after it, which adds its dx,
 ddt_out and ddA_cumsum into the token launch's (then float32) ones.
 
@@ -88,7 +90,7 @@ from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum
 from ops.kernels.backward.bwd_chunk_states import bwd_chunk_states
 from ops.kernels.backward.bwd_chunk_states import default_config as chunk_states_config
 from ops.kernels.backward.bwd_compute_out import bwd_compute_out_plan
-from ops.kernels.backward.bwd_compute_out import default_config as compute_out_config
+from ops.kernels.backward.bwd_compute_out import resolved_config as compute_out_resolved
 from ops.kernels.backward.bwd_pass_state import bwd_pass_state
 from ops.kernels.backward.bwd_pass_state import default_config as pass_state_config
 from ops.tuning.compute_chunk import kernel_chunk
@@ -161,7 +163,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     groups = batch * seqlen * ngroups * dstate * f32                # a (b, L, g, n) tensor
     final = batch * nheads * headdim * dstate * f32
     per_group = nheads // ngroups
-    out_cfg = resolve_config(configs.get("bwd_compute_out"), compute_out_config(**shape))
+    out_cfg = compute_out_resolved(configs.get("bwd_compute_out"), **shape)
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
     fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state"), pass_state_config(
@@ -379,9 +381,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     out_inputs = (dy, x_, B_, C_, dt_out, dA_cumsum, entry, seq_idx)
     co_config = configs.get("bwd_compute_out")
-    fused = resolve_config(co_config, compute_out_config(
-        chunk_size=chunk_size, headdim=x.shape[3], dstate=B.shape[3], nheads=x.shape[2],
-        ngroups=B.shape[2], batch=batch, seqlen=seqlen))["FUSE_STATES"]
+    fused = compute_out_resolved(co_config, chunk_size=chunk_size, headdim=x.shape[3],
+                                 dstate=B.shape[3], nheads=x.shape[2], ngroups=B.shape[2],
+                                 batch=batch, seqlen=seqlen)["FUSE_STATES"]
 
     # The pass over the states, then compute_out's token kernel. The pass forms dentry itself,
     # from dy and C (FUSE_ENTRY, BACKWARD_DEFAULTS): no dentry buffer, no entry launch; with

@@ -383,9 +383,9 @@ def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dsta
     (the accounting is not loose). The gate's slices are made small so that the full-size
     tensors, not the slices' temporaries, are what is measured: with slices of a whole batch
     element this CPU count is not exact (storages freed and made again at one address), and the
-    GPU test below measures the allocator itself. At dstate 128 the token kernel reads C B^T
-    from memory, and with one head per group (no head splits to sum) its step is the peak, of
-    which the C B^T buffer is 16%. ``FUSE_STATES=False``: the token kernel's float32 dx, then
+    GPU test below measures the allocator itself. The pair kernel (the default) stores C B^T,
+    its d(C B^T) partials and its sums of dG G for the token kernel, which all count in the
+    token kernel's step; at dstate 128 with eight heads in eight groups that step is the peak. ``FUSE_STATES=False``: the token kernel's float32 dx, then
     bwd_chunk_states' launch (with one group of eight heads its dB partials make its step the
     peak), counted as the accounting does for that config. At 16-token chunks the states
     outweigh the tokens: with compute_out's entry launch (``FUSE_ENTRY=False``) the pass over

@@ -92,10 +92,14 @@ CASES = [
     # C B^T from memory: several tiles per chunk (row and column tiles differ), the whole group
     # of two heads in a block, tiles wholly past the sequence in the last chunk
     pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
-                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, SCORES_IN_MEMORY=True),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, SCORES_IN_MEMORY=True, PAIRS=False),
                  id="scores-in-memory-tiles16-whole-group"),
-    pytest.param(dict(seqlen=77), dict(BLOCK_T=16, SCORES_IN_MEMORY=True),
+    pytest.param(dict(seqlen=77), dict(BLOCK_T=16, SCORES_IN_MEMORY=True, PAIRS=False),
                  id="scores-in-memory-packed-ragged-head-partials"),
+    # the token kernel alone, as first written (both roles of each tile, C B^T in registers)
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, PAIRS=False),
+                 id="token-kernel-alone-tiles16-seq-whole-group"),
     # the pair kernel first: several pairs per chunk, pairs wholly past the sequence, its heads
     # in two splits (their d(C B^T) partials added) and the token kernel's in one, and the
     # other way round
@@ -139,8 +143,11 @@ def test_matches_the_reference(device, dtype, case, config):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("D_dims", [1, 2], ids=["D-1d", "D-2d"])
-@pytest.mark.parametrize("case, config", [CASES[0], CASES[3], CASES[-1], CASES[-2], CASES[-3],
-                                          CASES[-6]])   # prefetch; split dx; the token kernel alone
+@pytest.mark.parametrize("case, config", [
+    CASES[0], CASES[3], *(c for c in CASES if c.id in (
+        "scores-in-memory-tiles16-whole-group", "token-kernel-alone-tiles16-seq-whole-group",
+        "pairs-tiles16-seq-two-pair-splits", "split-dx-tiles16-seq-head-partials",
+        "split-dx-whole-group-of-four", "prefetch-whole-group-of-four"))])
 def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
     """With dS and D the token kernel's outputs are compute_out's gradients plus
     ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
@@ -260,6 +267,10 @@ def test_states_fused_after_the_pair_kernel_else_but_at_dstate_256_from_16k_toke
         shape = dict(VARIANT_SHAPE, dstate=dstate, batch=batch, seqlen=seqlen)
         assert mod.default_config(**shape)["FUSE_STATES"] is True, shape
         assert {c["FUSE_STATES"] for c in mod.search_space(**shape)} == {False, True}
+        # a config that turns the pair kernel off gets the token kernel's own rule, unless it
+        # sets FUSE_STATES itself
+        assert mod.resolved_config(dict(PAIRS=False), **shape)["FUSE_STATES"] is want, shape
+        assert mod.resolved_config(dict(PAIRS=False, FUSE_STATES=True), **shape)["FUSE_STATES"]
 
 
 def test_the_pair_kernel_runs_first_by_default_with_fewer_larger_blocks():
@@ -320,6 +331,10 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, DX_WORKER_WARPS=6))
     with pytest.raises(ValueError, match="DX_OCCUPANCY"):
         bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, DX_OCCUPANCY=0))
+    with pytest.raises(TypeError, match="PAIRS must be True or False"):
+        bwd_compute_out_plan(**inputs, config=dict(PAIRS="no"))
+    with pytest.raises(TypeError, match="PAIR_HEADS_PER_BLOCK must be an int"):
+        bwd_compute_out_plan(**inputs, config=dict(PAIR_HEADS_PER_BLOCK=2.0))
 
 
 # Ahead-of-time compilation (both kernels) ------------------------------------------------------

@@ -19,7 +19,8 @@ so, with dG[l, s] = dy[l] . x[s] and dCB = dG M dt (``reference.backward.compute
 ddA is the gradient of dA_cumsum in natural-log units (exp2 of log2 values is exp of natural
 ones: the same factors), like the reference's and the other backward kernels'.
 
-Two kernels
+The token kernel and the entry kernel (the token kernel alone, as first written; the pair
+kernel below goes in front of it by default)
     The gradients of the tokens (dx, dB, dC, ddt, ddA) and that of the entry state (dentry) want
     different blocks. Each token's gradients sum over the chunk's other tokens; dentry sums over
     all the chunk's tokens for one head, a (headdim, dstate) result per head. Holding both in one
@@ -32,9 +33,9 @@ Two kernels
         plays both roles of the quadratic form: as the SOURCE tokens s (the column tile: dx, dB,
         ddt and the column sums of dG G, summed over the row tiles i >= t) and as the TARGET
         tokens l (the row tile: dC and the row sums of dG G, summed over the column tiles
-        j <= t), plus the carried-in terms of its rows. Every (BLOCK_T, BLOCK_T) tile of C B^T,
-        dG, the decays and G is formed in registers and never leaves the chip (the forward's
-        way; with SCORES_IN_MEMORY the C B^T tiles are read instead, from the buffer
+        j <= t), plus the carried-in terms of its rows. Alone (PAIRS=False), every (BLOCK_T,
+        BLOCK_T) tile of C B^T, dG, the decays and G is formed in registers and never leaves the
+        chip (the forward's way; with SCORES_IN_MEMORY the C B^T tiles are read instead, from the buffer
         ``ops/kernels/common.py`` fills once per chunk and group); the diagonal pair is formed
         once per role. A block's work is the same for every
         tile (n - t column steps + t + 1 row steps, n tiles per chunk), so blocks are balanced.
@@ -73,8 +74,9 @@ The pair kernel first (PAIRS, the default)
     kernel then forms only G (for dx) per head and pair, reads the sums, and its first head
     block of each group adds the pair partials in order and makes dB and dC's quadratic part
     with two products per pair instead of two per head and pair: 80 times fewer at a 2.7B
-    layer. Each (dy_i x_j^T, decays) is formed once, by the pair kernel, where the token kernel
-    alone forms it twice (once per role). No atomics: every sum runs in a fixed order.
+    layer. dy_i x_j^T is formed once, by the pair kernel, where the token kernel alone forms it
+    twice (once per role); the decays are formed in both kernels, once each. No atomics:
+    every sum runs in a fixed order.
     A training step's scan ran 1.11-1.21x faster with it than without (each at its own best
     FUSE_STATES) at every shape timed but 1 x 4K x dstate 64, where it is level
     (``tests/benchmark/results/bwd_pairs_h200.csv``; at 1 x 64K x dstate 256 against the
@@ -743,7 +745,7 @@ PAIRS_DEFAULT = True
 
 def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None,
                             blocks_per_sm=BLOCKS_PER_SM):
-    """The largest divisor of a group's heads that gives ``BLOCKS_PER_SM`` blocks per
+    """The largest divisor of a group's heads that gives ``blocks_per_sm`` blocks per
     multiprocessor (all the heads of a group, dB and dC written directly, for long sequences;
     else partials summed on the host) in at most ``MAX_SPLITS`` splits of a group; else the
     most splits allowed (one head per block when a group has few heads)."""
@@ -805,7 +807,8 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     SPLIT_DX False (module docstring, "Split dx"): tested on the interpreter, untimed. Its dx
     launch takes DX_OCCUPANCY 2 blocks of DX_WORKER_WARPS 8 worker warps per multiprocessor:
     compiled for sm_90 at 64 x 128, 80 registers a thread and no spills (the compiler's own
-    choice takes 255 registers a thread, and four blocks 56 with spills).
+    choice takes 255 registers a thread, and four blocks 56 registers, with spills where
+    seq_idx is given).
     PREFETCH False: loading the next head's entry state and dS a head ahead is tested on the
     interpreter, and at 64 x 128 compiles for sm_90 to 255 registers a thread with fewer spills
     than the default's 168-register code (``ops.tools.sass.sass_report``), but it is untimed, so
@@ -834,6 +837,29 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                 SCORES_IN_MEMORY=scores_in_memory(dstate), PAIRS=PAIRS_DEFAULT,
                 PAIR_HEADS_PER_BLOCK=phb, LOAD_LAT=0, PREFETCH=False, SPLIT_DX=False,
                 DX_OCCUPANCY=2, DX_WORKER_WARPS=8)
+
+
+FLAGS = ("PAIRS", "SPLIT_DX", "PREFETCH", "FUSE_STATES", "SCORES_IN_MEMORY", "INDEX64")
+
+
+def resolved_config(config, **shape):
+    """``config`` (a dict of some of ``default_config``'s keys, or None) over the default for
+    ``shape``, checked; FUSE_STATES, where ``config`` does not set it, follows the config's PAIRS
+    (``fuse_states``): a config that turns the pair kernel off gets the token kernel's own best
+    FUSE_STATES. ``bwd_compute_out_plan``, ``ops.backward.kernel_backward`` and its
+    ``memory_accounting`` all take a config through here."""
+    cfg = resolve_config(config, default_config(**shape))
+    for key in FLAGS:
+        if not isinstance(cfg[key], bool):
+            raise TypeError(f"{key} must be True or False, got {cfg[key]!r}")
+    phb = cfg["PAIR_HEADS_PER_BLOCK"]
+    if isinstance(phb, bool) or not isinstance(phb, int):
+        raise TypeError(f"PAIR_HEADS_PER_BLOCK must be an int, got {phb!r}")
+    if "FUSE_STATES" not in (config or {}):
+        seqlen = shape.get("seqlen")
+        tokens = None if seqlen is None else shape.get("batch", 1) * seqlen
+        cfg["FUSE_STATES"] = fuse_states(shape["dstate"], tokens, cfg["PAIRS"])
+    return cfg
 
 
 def pairs_per_chunk(tiles):
@@ -867,8 +893,8 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     # C B^T the other way (from memory, once per group: ops/kernels/common.py; or formed per head),
     # alone and with more, smaller blocks
     other = not base["SCORES_IN_MEMORY"]
-    configs += [{**base, "SCORES_IN_MEMORY": other},
-                {**base, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
+    configs += [{**base, "SCORES_IN_MEMORY": other, "PAIRS": False},
+                {**base, "SCORES_IN_MEMORY": other, "PAIRS": False, "HEADS_PER_BLOCK": 1}]
     # the pair kernel the other way; with it, dx in a launch of its own, and its heads per
     # block halved and doubled
     configs.append({**base, "PAIRS": not base["PAIRS"]})
@@ -942,10 +968,13 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                          poison=False, config=None, launches="both", dS=None, D=None,
                          dx_dtype=torch.float32):
     """The launch (an ``ops.runtime.launch.Plan``): its ``before`` holds the dentry kernel's launch
-    (unless ``launches="tokens"``) and, with SCORES_IN_MEMORY, the chunk_scores launch; its
+    (unless ``launches="tokens"``), then with PAIRS the pair kernel's (and with SPLIT_DX the
+    states kernel's: the plan's own launch is then ``bwd_token_dx_kernel``), else with
+    SCORES_IN_MEMORY the chunk_scores launch; its
     outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum,
     ddA_tiles, dD's partials and dentry. ``config``: a dict from ``search_space`` (or part of
-    one; missing keys take ``default_config``'s values for this shape).
+    one; missing keys take ``default_config``'s values for this shape, FUSE_STATES following
+    PAIRS: ``resolved_config``).
 
     ``launches="entry"`` gives the dentry kernel's plan alone (outputs (dentry,)), ``"tokens"``
     the token kernel's alone (outputs all but dentry, none allocated for it): ``ops/backward.py``
@@ -969,9 +998,8 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     batch, seqlen, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
     nchunks, chunk_size = dt_out.shape[2], dt_out.shape[3]
-    cfg = resolve_config(config, default_config(chunk_size=chunk_size, headdim=headdim,
-                                                dstate=dstate, nheads=nheads, ngroups=ngroups,
-                                                batch=batch, seqlen=seqlen))
+    cfg = resolved_config(config, chunk_size=chunk_size, headdim=headdim, dstate=dstate,
+                          nheads=nheads, ngroups=ngroups, batch=batch, seqlen=seqlen)
     bt, hb = token_tiling(cfg, chunk_size, nheads, ngroups)
     bp, bn = cfg["ENTRY_BLOCK_P"], cfg["ENTRY_BLOCK_N"]
     for name, v, size in (("ENTRY_BLOCK_P", bp, headdim), ("ENTRY_BLOCK_N", bn, dstate)):
