@@ -35,10 +35,10 @@ kernel below goes in front of it by default)
         tokens l (the row tile: dC and the row sums of dG G, summed over the column tiles
         j <= t), plus the carried-in terms of its rows. Alone (PAIRS=False), every (BLOCK_T,
         BLOCK_T) tile of C B^T, dG, the decays and G is formed in registers and never leaves the
-        chip (the forward's way; with SCORES_IN_MEMORY the C B^T tiles are read instead, from the buffer
-        ``ops/kernels/common.py`` fills once per chunk and group); the diagonal pair is formed
-        once per role. A block's work is the same for every
-        tile (n - t column steps + t + 1 row steps, n tiles per chunk), so blocks are balanced.
+        chip (the forward's way; with SCORES_IN_MEMORY the C B^T tiles are read instead, from
+        the buffer ``ops/kernels/common.py`` fills once per chunk and group); the diagonal pair
+        is formed once per role. A block's work is the same for every tile (n - t column steps
+        + t + 1 row steps, n tiles per chunk), so blocks are balanced.
         All outputs of a token tile are complete in one block: ddA's row sums, column sums and
         carried term are added in registers, nothing is written twice.
 
@@ -80,9 +80,9 @@ The pair kernel first (PAIRS, the default)
     A training step's scan ran 1.11-1.21x faster with it than without (each at its own best
     FUSE_STATES) at every shape timed but 1 x 4K x dstate 64, where it is level
     (``tests/benchmark/results/bwd_pairs_h200.csv``; at 1 x 64K x dstate 256 against the
-    unfused token kernel, ``bwd_pairs_fuse_h200.csv``; PERF_NOTES.md, "The pair kernel"). Its buffers (``ops.backward.memory_accounting`` counts
-    them): C B^T, the d(C B^T) partials and the (b, h, c, CHUNK / BLOCK_T, CHUNK) row and
-    column sums, all float32.
+    unfused token kernel, ``bwd_pairs_fuse_h200.csv``; PERF_NOTES.md, "The pair kernel").
+    Its buffers (``ops.backward.memory_accounting`` counts them): C B^T, the d(C B^T)
+    partials and the (b, h, c, CHUNK / BLOCK_T, CHUNK) row and column sums, all float32.
 
 Split dx (SPLIT_DX, with the pair kernel; off by default: untimed)
     After the pair kernel, the token kernel's block still holds the (BLOCK_T, dstate) dB and dC
@@ -373,7 +373,8 @@ def bwd_compute_out_kernel(
                     seq_j = sequence_ids(seq_idx, b, col_tile, BLOCK_T, HAS_SEQ_IDX)
                     cb = score_tile(scores, c_t, b_j, b, c, g, t, j, BLOCK_T, SCORES_IN_MEMORY)
                     dG = times_transposed(dy_t, x_j, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
-                    m_dt = decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX) * dt_j[None, :]
+                    m_dt = (decays(dA_t, dA_j, pos_t, pos_j, seq_t, seq_j, HAS_SEQ_IDX)
+                            * dt_j[None, :])
                     dcb = dG * m_dt
                     grad_dA = grad_dA + ct.sum(dcb * cb, axis=1)         # row sums of dG G
                     dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
@@ -471,7 +472,8 @@ def bwd_pairs_kernel(
                                   ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
             dG_m = dG * decays(dA_i, dA_j, pos_i, pos_j, seq_i, seq_j, HAS_SEQ_IDX)
             dG_cb = dG_m * cb
-            ct.store(cols, (b, h, c, i, j), ct.reshape(ct.sum(dG_cb, axis=0), (1, 1, 1, 1, BLOCK_T)))
+            ct.store(cols, (b, h, c, i, j),
+                     ct.reshape(ct.sum(dG_cb, axis=0), (1, 1, 1, 1, BLOCK_T)))
             ct.store(rows, (b, h, c, j, i),
                      ct.reshape(ct.sum(dG_cb * dt_j[None, :], axis=1), (1, 1, 1, 1, BLOCK_T)))
             acc = acc + dG_m * dt_j[None, :]
