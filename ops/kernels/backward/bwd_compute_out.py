@@ -168,10 +168,44 @@ def score_tile(scores, c_rows, b_cols, b, c, g, i, j, BLOCK_T, SCORES_IN_MEMORY,
     read from the ``scores`` chunk_scores filled (SCORES_IN_MEMORY: once per group, not once per
     head)."""
     if SCORES_IN_MEMORY:
-        t = ct.load(scores, (b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T),
-                    latency=latency_hint(LOAD_LAT))
-        return ct.reshape(t, (BLOCK_T, BLOCK_T))
+        return stored_score_tile(scores, b, c, g, i, j, BLOCK_T, LOAD_LAT)
     return times_transposed(c_rows, b_cols, ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32))
+
+
+def stored_score_tile(scores, b, c, g, i, j, BLOCK_T, LOAD_LAT=0):
+    """The (BLOCK_T, BLOCK_T) tile (i, j) of chunk c's C B^T for group g, read from ``scores``
+    (chunk_scores' or the pair kernel's)."""
+    t = ct.load(scores, (b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T),
+                latency=latency_hint(LOAD_LAT))
+    return ct.reshape(t, (BLOCK_T, BLOCK_T))
+
+
+def pair_source_step(dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
+                     row_tile, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT):
+    """One row tile i >= t of token tile t as the source tokens, after the pair kernel: dx_acc
+    plus G^T dy_i (G from the stored C B^T and the decays), ddt_acc plus the pair kernel's
+    column sums of dG G for the pair (i, t)."""
+    dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT)
+    dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
+    pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
+    seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
+    cb = stored_score_tile(scores, b, c, g, i, t, BLOCK_T, LOAD_LAT)
+    m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
+    ddt_acc = ddt_acc + ct.reshape(
+        ct.load(cols, (b, h, c, i, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+    G = cb * m * dt_t[None, :]
+    dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+    return dx_acc, ddt_acc
+
+
+def pair_row_sums(rows, grad_dA, ddt_acc, dt_t, b, h, c, t, BLOCK_T):
+    """grad_dA of token tile t, after the pair kernel: minus the column sums of dG G (dt times
+    ddt's), plus the pair kernel's row sums over the column tiles j <= t."""
+    grad_dA = grad_dA - ddt_acc * dt_t
+    for j in range(t + 1):
+        grad_dA = grad_dA + ct.reshape(
+            ct.load(rows, (b, h, c, j, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+    return grad_dA
 
 
 def head_state(states, b, c, h, P, N):
@@ -328,16 +362,9 @@ def bwd_compute_out_kernel(
                 row_tile = c * TILES + i
                 if PAIRS:
                     # G only: dG's sums come from the pair kernel, d(C B^T) from its head sums
-                    dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT)
-                    dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
-                    pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
-                    seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
-                    cb = score_tile(scores, c_t, b_t, b, c, g, i, t, BLOCK_T, True, LOAD_LAT)
-                    m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
-                    ddt_acc = ddt_acc + ct.reshape(
-                        ct.load(cols, (b, h, c, i, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
-                    G = cb * m * dt_t[None, :]
-                    dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+                    dx_acc, ddt_acc = pair_source_step(
+                        dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
+                        row_tile, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT)
                 else:
                     c_i = token_rows(C, b, row_tile, g, BLOCK_T, N)
                     dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P)
@@ -357,10 +384,7 @@ def bwd_compute_out_kernel(
 
             if PAIRS:
                 # the column sums of dG G are dt times ddt's; the row sums, the pair kernel's
-                grad_dA = grad_dA - ddt_acc * dt_t
-                for j in range(t + 1):
-                    grad_dA = grad_dA + ct.reshape(
-                        ct.load(rows, (b, h, c, j, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+                grad_dA = pair_row_sums(rows, grad_dA, ddt_acc, dt_t, b, h, c, t, BLOCK_T)
             else:
                 # Tile t as the target tokens l: the column tiles j <= t.
                 for j in range(t + 1):
@@ -636,23 +660,13 @@ def bwd_token_dx_kernel(
         dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
         ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
         for i in range(t, valid):
-            row_tile = c * TILES + i
-            dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT)
-            dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
-            pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
-            seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
-            cb = score_tile(scores, dy_i, dy_i, b, c, g, i, t, BLOCK_T, True, LOAD_LAT)
-            m = decays(dA_i, dA_t, pos_i, pos_t, seq_i, seq_t, HAS_SEQ_IDX)
-            ddt_acc = ddt_acc + ct.reshape(
-                ct.load(cols, (b, h, c, i, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
-            G = cb * m * dt_t[None, :]
-            dx_acc = ct.mma(ct.transpose(G.astype(op)), dy_i.astype(op), dx_acc)
+            dx_acc, ddt_acc = pair_source_step(
+                dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
+                c * TILES + i, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT)
         # ddA: the states' terms (carried in, own state), minus the column sums of dG G (dt
         # times ddt's), plus the row sums
-        grad_dA = chunk_tokens(state_ddA, b, h, c, t, BLOCK_T) - ddt_acc * dt_t
-        for j in range(t + 1):
-            grad_dA = grad_dA + ct.reshape(
-                ct.load(rows, (b, h, c, j, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+        grad_dA = pair_row_sums(rows, chunk_tokens(state_ddA, b, h, c, t, BLOCK_T), ddt_acc, dt_t,
+                                b, h, c, t, BLOCK_T)
         ddt_acc = ddt_acc + chunk_tokens(state_ddt, b, h, c, t, BLOCK_T)
         if WITH_STATES:
             # through the chunk's own state: dx gets v (B dS^T)
