@@ -14,10 +14,13 @@ the specification, step by step, and names the same quantities):
                            ``BACKWARD_DEFAULTS``; with FUSE_ENTRY=False compute_out's dentry
                            launch runs first, dy -> dentry, and the walk reads dentry)
     (c) bwd_compute_out    the pair kernel (dy x^T's sums and d(C B^T) summed over heads), then
-                           its token launch: dy, dS, D -> dx (complete, in its final dtype),
-                           dB, dC (each summed over its group's heads), ddt_out, ddA_cumsum,
-                           dD's partials: compute_out's gradients, those through each chunk's
-                           own state (bwd_chunk_states' work, fused: FUSE_STATES) and the skip's
+                           its token work in two launches (SPLIT_DX; one fused launch with
+                           SPLIT_DX=False): the states launch (dB, dC, each summed over its
+                           group's heads, and the states' terms of ddt and ddA), then the dx
+                           launch: dy, dS, D -> dx (complete, in its final dtype), ddt_out,
+                           ddA_cumsum, dD's partials: compute_out's gradients, those through
+                           each chunk's own state (bwd_chunk_states' work, fused: FUSE_STATES)
+                           and the skip's
     (a) bwd_chunk_cumsum   ddt_out, ddA_cumsum (the three steps' contributions summed)
                            -> ddt, dA, ddt_bias
 

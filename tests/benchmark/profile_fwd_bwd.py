@@ -1,6 +1,7 @@
 """Where a training step's scan spends its GPU time: every kernel's time per step, by name.
 
     python -m tests.benchmark.profile_fwd_bwd --shape 8x2048x80x1 --chunks 128,256 [--steps 10]
+        [--tilegym-chunk 64]                                # TileGym's kernels too
     ncu --profile-from-start off ... python -m tests.benchmark.profile_fwd_bwd --ncu \
         --impl cutile --chunks 128 --shape 8x2048x80x1      # one step for Nsight Compute
 
@@ -14,7 +15,8 @@ At batch x seqlen x nheads x ngroups (headdim 64, dstate ``--dstate``, bf16, D, 
 softplus; ``fwd_bwd.py``'s inputs), mamba_ssm's Triton scan at chunk 256 and this project's at each
 of ``--chunks`` run three warm-up steps (forward with gradients, then ``out.backward(dout)``), then
 ``--steps`` steps under ``torch.profiler``; each kernel's summed device time is divided by the
-steps. The total is the GPU's busy time per step; a step's wall time (``fwd_bwd.py``) also holds
+steps. With ``--tilegym-chunk``, TileGym's step (``fwd_bwd.py``'s: its forward then its backward,
+given the processed dt) at that chunk too; its first steps autotune (a minute or more). The total is the GPU's busy time per step; a step's wall time (``fwd_bwd.py``) also holds
 the host's work between launches, and the gap between the two is how host-bound the step is.
 """
 import argparse
@@ -26,10 +28,11 @@ def kernel_times(impl, chunk, shape, steps):
     """-> {kernel name: ms per step} for one implementation."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup
+    from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup, _tilegym_step
     inputs, dout = _setup(shape)
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
-    step, _, _ = _autograd_step(impl, chunk, leaves, dout)
+    step = (_tilegym_step(chunk, leaves, dout) if impl == "tilegym"
+            else _autograd_step(impl, chunk, leaves, dout))[0]
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -70,6 +73,8 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=20, help="kernels listed per implementation")
     parser.add_argument("--ncu", action="store_true",
                         help="one step of --impl between cudaProfilerStart/Stop, for ncu")
+    parser.add_argument("--tilegym-chunk", type=int, default=0,
+                        help="also TileGym's step at this chunk (0: not)")
     parser.add_argument("--impl", default="cutile", choices=("triton", "cutile", "tilegym"),
                         help="with --ncu: the implementation profiled")
     args = parser.parse_args(argv)
@@ -82,6 +87,8 @@ def main(argv=None):
         one_step_for_ncu(args.impl, int(args.chunks.split(",")[0]), shape)
         return
     runs = [("triton", 256)] + [("cutile", int(c)) for c in args.chunks.split(",")]
+    if args.tilegym_chunk:
+        runs.append(("tilegym", args.tilegym_chunk))
     for impl, chunk in runs:
         totals = kernel_times(impl, chunk, shape, args.steps)
         print(f"== {impl} chunk {chunk} at {args.shape} dstate {args.dstate}: GPU busy "

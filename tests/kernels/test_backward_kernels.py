@@ -45,9 +45,11 @@ LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 # dt_limit clamps ~10% of the processed steps from below and ~9% from above at these inputs.
 OPTIONS = dict(dt_softplus=True, dt_limit=(0.2, 0.9))
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
-# bwd_chunk_states' work is fused into bwd_compute_out's token kernel by default (FUSE_STATES),
-# and dentry's into the pass over the states (FUSE_ENTRY, ops.backward.BACKWARD_DEFAULTS)
-BACKWARD_KERNELS = {"bwd_compute_out_kernel", "bwd_pass_state_kernel", "bwd_chunk_cumsum_kernel"}
+# By default bwd_compute_out runs the pair kernel, then the token work in two launches (SPLIT_DX);
+# bwd_chunk_states' work is fused into the first of them (FUSE_STATES), and dentry's into the
+# pass over the states (FUSE_ENTRY, ops.backward.BACKWARD_DEFAULTS)
+BACKWARD_KERNELS = {"bwd_pairs_kernel", "bwd_token_states_kernel", "bwd_token_dx_kernel",
+                    "bwd_pass_state_kernel", "bwd_chunk_cumsum_kernel"}
 FORWARD_KERNELS = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"}
 
 
@@ -263,9 +265,15 @@ def test_backward_kernels_take_configs_by_name(launched):
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name
     launched.clear()
-    got = kernel_backward(*args, **opts, configs={"bwd_compute_out": dict(SPLIT_DX=True)})
-    assert {"bwd_token_states_kernel", "bwd_token_dx_kernel"} <= set(launched)
-    assert "bwd_compute_out_kernel" not in launched
+    got = kernel_backward(*args, **opts, configs={"bwd_compute_out": dict(SPLIT_DX=False)})
+    assert {"bwd_pairs_kernel", "bwd_compute_out_kernel"} <= set(launched)
+    assert not {"bwd_token_states_kernel", "bwd_token_dx_kernel"} & set(launched)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-5, name
+    launched.clear()
+    got = kernel_backward(*args, **opts, configs={"bwd_compute_out": dict(FUSE_STATES=False)})
+    assert {"bwd_token_states_kernel", "bwd_token_dx_kernel", "bwd_chunk_states_kernel"} <= set(
+        launched)
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name
     with pytest.raises(ValueError, match="unknown config keys"):

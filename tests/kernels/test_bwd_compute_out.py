@@ -100,27 +100,27 @@ CASES = [
     pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
                  dict(BLOCK_T=16, HEADS_PER_BLOCK=2, PAIRS=False),
                  id="token-kernel-alone-tiles16-seq-whole-group"),
-    # the pair kernel first: several pairs per chunk, pairs wholly past the sequence, its heads
-    # in two splits (their d(C B^T) partials added) and the token kernel's in one, and the
-    # other way round
+    # the pair kernel first, the token work fused in one launch after it: several pairs per
+    # chunk, pairs wholly past the sequence, its heads in two splits (their d(C B^T) partials
+    # added) and the token kernel's in one, and the other way round
     pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
-                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, PAIRS=True, PAIR_HEADS_PER_BLOCK=1),
-                 id="pairs-tiles16-seq-two-pair-splits"),
-    pytest.param(dict(seqlen=77), dict(PAIRS=True, PAIR_HEADS_PER_BLOCK=2),
-                 id="pairs-packed-ragged-one-tile-per-chunk"),
-    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(BLOCK_T=16, PAIRS=True),
-                 id="pairs-whole-chunks-g1"),
-    # after the pair kernel, the states' products and dB, dC in one launch, dx, ddt and ddA in
-    # another with one head per block: several tiles per chunk, tiles past the sequence, packed
-    # sequences; head splits
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=2, PAIRS=True, PAIR_HEADS_PER_BLOCK=1,
+                      SPLIT_DX=False),
+                 id="pairs-fused-tiles16-seq-two-pair-splits"),
+    pytest.param(dict(seqlen=77), dict(PAIRS=True, PAIR_HEADS_PER_BLOCK=2, SPLIT_DX=False),
+                 id="pairs-fused-packed-ragged-one-tile-per-chunk"),
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(BLOCK_T=16, SPLIT_DX=False),
+                 id="pairs-fused-whole-chunks-g1"),
+    # after the pair kernel (the default), the states' products and dB, dC in one launch, dx,
+    # ddt and ddA in another with one head per block: several tiles per chunk, tiles past the
+    # sequence, packed sequences; head splits; the dx launch and the pair kernel at hints
     pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
                  dict(BLOCK_T=16, HEADS_PER_BLOCK=1, PAIRS=True, SPLIT_DX=True),
                  id="split-dx-tiles16-seq-head-partials"),
-    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=4, SPLIT_DX=True),
-                 id="split-dx-whole-group-of-four"),
-    # the next head's entry state loaded a head ahead (the last head loads itself again)
-    pytest.param(dict(seq=None, seqlen=64, ngroups=1), dict(HEADS_PER_BLOCK=4, PREFETCH=True),
-                 id="prefetch-whole-group-of-four"),
+    pytest.param(dict(seq=None, seqlen=64, ngroups=1),
+                 dict(HEADS_PER_BLOCK=4, DX_OCCUPANCY=2, DX_WORKER_WARPS=8, PAIR_OCCUPANCY=2,
+                      PAIR_WORKER_WARPS=4),
+                 id="split-dx-whole-group-of-four-hints"),
 ]
 
 
@@ -146,8 +146,8 @@ def test_matches_the_reference(device, dtype, case, config):
 @pytest.mark.parametrize("case, config", [
     CASES[0], CASES[3], *(c for c in CASES if c.id in (
         "scores-in-memory-tiles16-whole-group", "token-kernel-alone-tiles16-seq-whole-group",
-        "pairs-tiles16-seq-two-pair-splits", "split-dx-tiles16-seq-head-partials",
-        "split-dx-whole-group-of-four", "prefetch-whole-group-of-four"))])
+        "pairs-fused-tiles16-seq-two-pair-splits", "split-dx-tiles16-seq-head-partials",
+        "split-dx-whole-group-of-four-hints"))])
 def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
     """With dS and D the token kernel's outputs are compute_out's gradients plus
     ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
@@ -287,6 +287,28 @@ def test_the_pair_kernel_runs_first_by_default_with_fewer_larger_blocks():
     assert {c["PAIR_HEADS_PER_BLOCK"] for c in mod.search_space(**shape)} == {20, 40, 80}
 
 
+def test_dx_in_a_launch_of_its_own_after_the_pair_kernel_by_default():
+    """SPLIT_DX by default, at ``mod.dx_hints``: four blocks at the compiler's warps up to
+    dstate's tile 128, two blocks of eight worker warps beyond (faster on the H200 each where
+    measured). A config turning the pair kernel off gets the token kernel alone (SPLIT_DX
+    follows PAIRS unless set; set with PAIRS off, it is refused); the search space holds the
+    fused token kernel after the pair kernel and the other dx hints."""
+    for dstate, hints in ((16, (4, None)), (64, (4, None)), (128, (4, None)), (256, (2, 8)),
+                          (512, (2, 8))):
+        shape = dict(VARIANT_SHAPE, dstate=dstate)
+        cfg = mod.default_config(**shape)
+        assert cfg["SPLIT_DX"] is True and cfg["PAIRS"] is True, dstate
+        assert (cfg["DX_OCCUPANCY"], cfg["DX_WORKER_WARPS"]) == hints, dstate
+        space = mod.search_space(**shape)
+        assert len(space) <= 16
+        assert {(c["PAIRS"], c["SPLIT_DX"]) for c in space} == {
+            (True, True), (True, False), (False, False)}, dstate
+        assert {(c["DX_OCCUPANCY"], c["DX_WORKER_WARPS"]) for c in space} == {(4, None), (2, 8)}
+        assert mod.resolved_config(dict(PAIRS=False), **shape)["SPLIT_DX"] is False
+        with pytest.raises(ValueError, match="SPLIT_DX needs the pair kernel"):
+            mod.resolved_config(dict(PAIRS=False, SPLIT_DX=True), **shape)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype_name, config", variant_cases())
 def test_variant_matches_the_default(device, dtype_name, config):
@@ -331,6 +353,10 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, DX_WORKER_WARPS=6))
     with pytest.raises(ValueError, match="DX_OCCUPANCY"):
         bwd_compute_out_plan(**inputs, config=dict(SPLIT_DX=True, DX_OCCUPANCY=0))
+    with pytest.raises(ValueError, match="PAIR_OCCUPANCY"):
+        bwd_compute_out_plan(**inputs, config=dict(PAIR_OCCUPANCY=True))
+    with pytest.raises(ValueError, match="PAIR_WORKER_WARPS"):
+        bwd_compute_out_plan(**inputs, config=dict(PAIR_WORKER_WARPS=2))
     with pytest.raises(TypeError, match="PAIRS must be True or False"):
         bwd_compute_out_plan(**inputs, config=dict(PAIRS="no"))
     with pytest.raises(TypeError, match="PAIR_HEADS_PER_BLOCK must be an int"):
@@ -367,10 +393,11 @@ COMPILE += [pytest.param(dict(headdim=48, dstate=40, dtype=torch.float16, seq=Fa
             pytest.param(dict(fused=False), "sm_90", id="layer-unfused-sm_90"),
             pytest.param(dict(config=dict(SCORES_IN_MEMORY=True)), "sm_90",
                          id="layer-scores-in-memory-sm_90")]
-COMPILE += [pytest.param(dict(chunk=128, config=dict(PAIRS=True)), arch, id=f"layer-pairs-{arch}")
+COMPILE += [pytest.param(dict(chunk=128, config=dict(SPLIT_DX=False)), arch,
+                         id=f"layer-pairs-fused-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
+COMPILE += [pytest.param(dict(chunk=128), arch, id=f"layer-split-dx-{arch}")
             for arch in ("sm_80", "sm_90", "sm_100")]
-COMPILE += [pytest.param(dict(chunk=128, config=dict(SPLIT_DX=True)), arch,
-                         id=f"layer-split-dx-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
+COMPILE += [pytest.param(dict(chunk=128, dstate=256), "sm_90", id="layer-split-dx-dstate256-sm_90")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)

@@ -84,7 +84,7 @@ The pair kernel first (PAIRS, the default)
     Its buffers (``ops.backward.memory_accounting`` counts them): C B^T, the d(C B^T)
     partials and the (b, h, c, CHUNK / BLOCK_T, CHUNK) row and column sums, all float32.
 
-Split dx (SPLIT_DX, with the pair kernel; off by default: untimed)
+Split dx (SPLIT_DX, with the pair kernel: the default)
     After the pair kernel, the token kernel's block still holds the (BLOCK_T, dstate) dB and dC
     accumulators through its whole loop over heads, which is what keeps it at one block per
     multiprocessor; dx, ddt and ddA need none of them. SPLIT_DX gives each half a launch of its
@@ -93,6 +93,16 @@ Split dx (SPLIT_DX, with the pair kernel; off by default: untimed)
     into two (b, h, c, CHUNK) float32 buffers, and adds the quadratic dB and dC;
     ``bwd_token_dx_kernel``, one block per (token tile, head), then forms G for dx, adds
     v (B dS^T) and D dy, and completes ddt and ddA from the pair kernel's sums and those buffers.
+    Its blocks hold no dstate-wide accumulator and run several per multiprocessor
+    (``dx_hints``). A training step's scan took 8-18% less time split than fused at the 2.7B
+    and 8B shapes, 16K x dstate 128 and 64K x dstate 256, and was level at 4K x dstate 64
+    (``tests/benchmark/results/bwd_split_dx_h200.csv``, and against the fused default of then
+    ``bwd_token_variants_h200.csv``, which also holds two things not kept: 32-token tiles for
+    the split launches, and loading the next head's entry state and dS a head ahead in the fused
+    token kernel, both slower). At the 130M shape, whose eager step is close to host-bound,
+    the two runs disagree (split faster in one, slower in the other).
+    The buffers it adds (``ops.backward.memory_accounting`` counts them): the two (b, h, c,
+    CHUNK) float32 terms.
 
 dB and dC across the heads of a group (deterministic, no atomics)
     B and C are shared by the heads of a group, so their gradients are sums over those heads. A
@@ -215,6 +225,47 @@ def head_state(states, b, c, h, P, N):
                       (P, N))
 
 
+def own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, c, CHUNK, BLOCK_T,
+                      HAS_SEQ_IDX):
+    """(decay, v) of a token tile for chunk c's own state S[c] = sum_s v[s] outer(x[s], B[s]):
+    decay = exp2(dA[last] - dA) for the tokens of the sequence the chunk's last token belongs to
+    (0 for the others), v = decay dt."""
+    keep = ct.full((BLOCK_T,), 1.0, dtype=ct.float32)
+    if HAS_SEQ_IDX:
+        seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
+        keep = ct.where(seq_t == seq_last, 1.0, 0.0)
+    dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
+    decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
+    return decay, decay * dt_t
+
+
+def carried_terms(entry_states, seq_idx, dy_t, c_t, dA_t, dC_acc, b, c, h, tile, CHUNK, BLOCK_T,
+                  P, N, HAS_SEQ_IDX, op):
+    """Token tile ``tile``'s terms through the state carried into chunk c, for head h: dC_acc
+    plus w (dy @ entry), and ddA's carried term w (dy . (C @ entry^T)) (w: ``carried_weight``)."""
+    state = head_state(entry_states, b, c, h, P, N).astype(op)
+    dy_state = ct.mma(dy_t.astype(op), state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+    w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+    dC_acc = dC_acc + dy_state * w_t[:, None]
+    return dC_acc, w_t * ct.sum(dy_state * c_t.astype(ct.float32), axis=1)
+
+
+def own_state_terms(dS, ddA_tiles, x_t, b_t, decay, v, dB_acc, grad_dA, b, c, h, t, BLOCK_T, P,
+                    N, op):
+    """Token tile t's terms through chunk c's own state S[c] = sum_s v[s] outer(x[s], B[s]) for
+    head h (``own_state_weights``' decay and v), as ``bwd_chunk_states`` computes them: dB_acc
+    plus (x dS) v, ddt's term dv decay with dv = (x dS) . B, grad_dA minus dv v; the tile's
+    sum(dv v), ddA's term at the chunk's last token, is stored in ``ddA_tiles``. Returns those
+    three and dS[c] for h as operands (for dx's term v (B dS^T))."""
+    ds = head_state(dS, b, c, h, P, N).astype(op)
+    x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+    dB_acc = dB_acc + x_ds * v[:, None]
+    dv = ct.sum(x_ds * b_t.astype(ct.float32), axis=1)
+    dvv = dv * v
+    ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
+    return dB_acc, dv * decay, grad_dA - dvv, ds
+
+
 def dcb_tile(dcb_parts, b, c, g, i, j, BLOCK_T, LOAD_LAT):
     """Tile (i, j) of chunk c's d(C B^T) for group g: the pair kernel's head-split partials
     added in order, (BLOCK_T, BLOCK_T) float32."""
@@ -284,7 +335,6 @@ def bwd_compute_out_kernel(
     SCORES_IN_MEMORY: ConstBool,        # read C B^T tiles from ``scores`` instead of forming them
     PAIRS: ConstBool,                   # the pair kernel ran: take d(C B^T) and the sums from it
     LOAD_LAT: ConstInt,                 # latency hint of the tile loads (0: none)
-    PREFETCH: ConstBool,                # load the next head's entry state and dS a head ahead
 ):
     splits = heads_per_group // heads_per_block
     head_blocks = dB.shape[3] * splits
@@ -316,44 +366,16 @@ def bwd_compute_out_kernel(
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
         dB_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
         dC_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
-        if WITH_STATES:
-            b_t_op = b_t.astype(op)
-            b_t_f32 = b_t.astype(ct.float32)
-            # 1 for the tokens of the sequence the chunk's last token belongs to (they write S[c])
-            keep = ct.full((BLOCK_T,), 1.0, dtype=ct.float32)
-            if HAS_SEQ_IDX:
-                seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
-                keep = ct.where(seq_t == seq_last, 1.0, 0.0)
-        if PREFETCH:
-            # the first head's entry state (and dS), loaded before the loop; each iteration
-            # loads the next head's while it computes with this one's
-            state_next = head_state(entry_states, b, c, first_head, P, N)
-            if WITH_STATES:
-                ds_next = head_state(dS, b, c, first_head, P, N)
         for k in range(heads_per_block):                # the group's heads, in order
             h = first_head + k
             dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
             dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
             dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
             x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
-            dy_t_op = dy_t.astype(op)
 
             # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
-            if PREFETCH:
-                following = first_head + min(k + 1, heads_per_block - 1)
-                state = state_next.astype(op)
-                state_next = head_state(entry_states, b, c, following, P, N)
-                if WITH_STATES:
-                    ds_now = ds_next
-                    ds_next = head_state(dS, b, c, following, P, N)
-            else:
-                state = ct.load(entry_states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
-                                padding_mode=ZERO)
-                state = ct.reshape(state, (P, N)).astype(op)
-            dy_state = ct.mma(dy_t_op, state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
-            w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
-            dC_acc = dC_acc + dy_state * w_t[:, None]
-            grad_dA = w_t * ct.sum(dy_state * c_t.astype(ct.float32), axis=1)
+            dC_acc, grad_dA = carried_terms(entry_states, seq_idx, dy_t, c_t, dA_t, dC_acc, b, c,
+                                            h, tile, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op)
 
             # Tile t as the source tokens s: the row tiles i >= t of the chunk.
             dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
@@ -404,25 +426,16 @@ def bwd_compute_out_kernel(
                     dC_acc = ct.mma(dcb.astype(op), b_j.astype(op), dC_acc)
 
             if WITH_STATES:
-                # Through the chunk's own state S[c] = sum_s v[s] outer(x[s], B[s]), as
-                # ops/kernels/backward/bwd_chunk_states.py: v = exp2(dA[last] - dA) dt for the last token's sequence.
-                if PREFETCH:
-                    ds = ds_now.astype(op)
-                else:
-                    ds = ct.reshape(ct.load(dS, (b, c, h, 0, 0), shape=(1, 1, 1, P, N),
-                                            padding_mode=ZERO), (P, N)).astype(op)
-                dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
-                decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
-                v = decay * dt_t
-                b_ds = ct.mma(b_t_op, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
-                x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
+                # Through the chunk's own state (ops/kernels/backward/bwd_chunk_states.py's work)
+                decay, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h,
+                                             c, CHUNK, BLOCK_T, HAS_SEQ_IDX)
+                dB_acc, state_ddt, grad_dA, ds = own_state_terms(
+                    dS, ddA_tiles, x_t, b_t, decay, v, dB_acc, grad_dA, b, c, h, t, BLOCK_T, P,
+                    N, op)
+                ddt_acc = ddt_acc + state_ddt
+                b_ds = ct.mma(b_t.astype(op), ct.transpose(ds),
+                              ct.zeros((BLOCK_T, P), dtype=ct.float32))
                 dx_acc = dx_acc + b_ds * v[:, None]
-                dB_acc = dB_acc + x_ds * v[:, None]
-                dv = ct.sum(x_ds * b_t_f32, axis=1)
-                ddt_acc = ddt_acc + dv * decay
-                dvv = dv * v
-                grad_dA = grad_dA - dvv     # and sum(dv v) at the chunk's last token: ddA_tiles
-                ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
             if WITH_SKIP:
                 # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
                 dy_f32 = dy_t.astype(ct.float32)
@@ -505,20 +518,6 @@ def bwd_pairs_kernel(
                  ct.reshape(acc, (1, 1, 1, 1, BLOCK_T, BLOCK_T)))
 
 
-def own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, c, CHUNK, BLOCK_T,
-                      HAS_SEQ_IDX):
-    """(decay, v) of a token tile for chunk c's own state S[c] = sum_s v[s] outer(x[s], B[s]):
-    decay = exp2(dA[last] - dA) for the tokens of the sequence the chunk's last token belongs to
-    (0 for the others), v = decay dt."""
-    keep = ct.full((BLOCK_T,), 1.0, dtype=ct.float32)
-    if HAS_SEQ_IDX:
-        seq_last = ct.load(seq_idx, (b, min((c + 1) * CHUNK, seqlen) - 1), shape=())
-        keep = ct.where(seq_t == seq_last, 1.0, 0.0)
-    dA_last = ct.load(dA_cumsum, (b, h, c, CHUNK - 1), shape=())
-    decay = ct.exp2(ct.minimum(dA_last - dA_t, 0.0)) * keep
-    return decay, decay * dt_t
-
-
 @ct.kernel
 def bwd_token_states_kernel(
     dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
@@ -576,11 +575,8 @@ def bwd_token_states_kernel(
             dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
             dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
             # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
-            state = head_state(entry_states, b, c, h, P, N).astype(op)
-            dy_state = ct.mma(dy_t.astype(op), state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
-            w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
-            dC_acc = dC_acc + dy_state * w_t[:, None]
-            grad_dA = w_t * ct.sum(dy_state * c_t.astype(ct.float32), axis=1)
+            dC_acc, grad_dA = carried_terms(entry_states, seq_idx, dy_t, c_t, dA_t, dC_acc, b, c,
+                                            h, tile, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op)
             grad_dt = ct.zeros((BLOCK_T,), dtype=ct.float32)
             if WITH_STATES:
                 # Through the chunk's own state: x dS, for dB and for the write weights' dv.
@@ -588,14 +584,9 @@ def bwd_token_states_kernel(
                 decay, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1],
                                              b, h, c, CHUNK, BLOCK_T, HAS_SEQ_IDX)
                 x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
-                ds = head_state(dS, b, c, h, P, N).astype(op)
-                x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
-                dB_acc = dB_acc + x_ds * v[:, None]
-                dv = ct.sum(x_ds * b_t.astype(ct.float32), axis=1)
-                grad_dt = dv * decay
-                dvv = dv * v
-                grad_dA = grad_dA - dvv     # and sum(dv v) at the chunk's last token: ddA_tiles
-                ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
+                dB_acc, grad_dt, grad_dA, _ = own_state_terms(
+                    dS, ddA_tiles, x_t, b_t, decay, v, dB_acc, grad_dA, b, c, h, t, BLOCK_T, P,
+                    N, op)
             ct.store(state_ddt, (b, h, c, t), ct.reshape(grad_dt, (1, 1, 1, BLOCK_T)))
             ct.store(state_ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
         if split == 0:
@@ -755,8 +746,15 @@ MAX_SPLITS = 4
 # short (one pair), and at the 2.7B training shape 40 heads per block (~6 blocks per
 # multiprocessor) took less time than 20 and 10 (``bwd_pairs_variants_h200.csv``).
 PAIR_BLOCKS_PER_SM = 4
-# The pair kernel runs first by default (module docstring, "The pair kernel first").
+# Its occupancy hint: the compiler's own choice keeps one block (130 KB of shared memory at 64 x
+# 128) per multiprocessor; asking for two took 1.4-3% less time for a whole training step at five
+# of the six shapes timed (the model shapes, 16K x dstate 128, 64K x dstate 256) and was level
+# at 4K x dstate 64; four took more at two of them (``bwd_split_dx_h200.csv``).
+PAIR_OCCUPANCY = 2
+# The pair kernel runs first by default (module docstring, "The pair kernel first"), and after
+# it the token work in two launches (module docstring, "Split dx").
 PAIRS_DEFAULT = True
+SPLIT_DX_DEFAULT = True
 
 
 def default_heads_per_block(*, nheads, ngroups, blocks_per_head_block, device=None,
@@ -809,6 +807,18 @@ def fuse_states(dstate, tokens=None, pairs=False):
     return not (tile_size(dstate) == 256 and long)
 
 
+def dx_hints(dstate):
+    """(DX_OCCUPANCY, DX_WORKER_WARPS), ``bwd_token_dx_kernel``'s launch hints with SPLIT_DX:
+    four blocks per multiprocessor at the compiler's warp count where dstate's tile is up to
+    128, two blocks of eight worker warps beyond. A training step's scan took less time with the
+    first at the 2.7B and 8B shapes, 16K x dstate 128 and 4K x dstate 64, and with the second at
+    64K x dstate 256, in every run that timed both (``tests/benchmark/results/bwd_split_dx_h200.csv``,
+    ``bwd_token_variants_h200.csv``); at the 130M shape (host-bound, eager) the runs disagree.
+    Dstate 512 is untimed and goes with 256. The kernel holds no dstate-wide accumulator, so
+    its registers grow with dstate only through B's tile and dS (``python -m ops.tools.sass``)."""
+    return (2, 8) if tile_size(dstate) >= 256 else (4, None)
+
+
 def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
                    **_):
     """``default_block_t``'s tiles, ``default_heads_per_block`` (seqlen None: a long sequence,
@@ -818,17 +828,14 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     ``bwd_chunk_states``' work too (False: it launches that kernel after this one), except at
     dstate 256 from 16K tokens without the pair kernel. PAIRS (``PAIRS_DEFAULT``): the pair
     kernel first, with PAIR_HEADS_PER_BLOCK heads per block (``default_heads_per_block`` at
-    ``PAIR_BLOCKS_PER_SM``); it forms C B^T itself, so SCORES_IN_MEMORY then has no effect.
+    ``PAIR_BLOCKS_PER_SM``), at two blocks per multiprocessor (``PAIR_OCCUPANCY``) and the
+    compiler's warp count (PAIR_WORKER_WARPS None); it forms C B^T itself, so SCORES_IN_MEMORY then has no effect. SPLIT_DX
+    (``SPLIT_DX_DEFAULT``, module docstring "Split dx"): after the pair kernel, the token work
+    in two launches, the dx launch at ``dx_hints``. The states launch takes the token kernel's
+    tiles, heads per block and hints (occupancy, num_worker_warps): one block of eight worker
+    warps (two blocks of four took 10-25% more time at the 2.7B and 8B shapes, 16K x dstate 128
+    and 64K x dstate 256: ``bwd_split_dx_h200.csv``).
     LOAD_LAT 0: no latency hint on the tile loads (3, 6 and 10 took longer at the 2.7B shape).
-    SPLIT_DX False (module docstring, "Split dx"): tested on the interpreter, untimed. Its dx
-    launch takes DX_OCCUPANCY 2 blocks of DX_WORKER_WARPS 8 worker warps per multiprocessor:
-    compiled for sm_90 at 64 x 128, 80 registers a thread and no spills (the compiler's own
-    choice takes 255 registers a thread, and four blocks 56 registers, with spills where
-    seq_idx is given).
-    PREFETCH False: loading the next head's entry state and dS a head ahead is tested on the
-    interpreter, and at 64 x 128 compiles for sm_90 to 255 registers a thread with fewer spills
-    than the default's 168-register code (``ops.tools.sass.sass_report``), but it is untimed, so
-    it stays off.
     SCORES_IN_MEMORY where dstate's tile is 128
     (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
     bt = default_block_t(chunk_size, headdim, dstate)
@@ -845,25 +852,41 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
         phb = default_heads_per_block(nheads=nheads, ngroups=ngroups,
                                       blocks_per_head_block=batch * pairs,
                                       blocks_per_sm=PAIR_BLOCKS_PER_SM)
+    dx_occupancy, dx_warps = dx_hints(dstate)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
                 num_worker_warps=WORKER_WARPS,
                 FUSE_STATES=fuse_states(dstate, None if seqlen is None else batch * seqlen,
                                         PAIRS_DEFAULT),
                 SCORES_IN_MEMORY=scores_in_memory(dstate), PAIRS=PAIRS_DEFAULT,
-                PAIR_HEADS_PER_BLOCK=phb, LOAD_LAT=0, PREFETCH=False, SPLIT_DX=False,
-                DX_OCCUPANCY=2, DX_WORKER_WARPS=8)
+                PAIR_HEADS_PER_BLOCK=phb, PAIR_OCCUPANCY=PAIR_OCCUPANCY, PAIR_WORKER_WARPS=None,
+                LOAD_LAT=0, SPLIT_DX=SPLIT_DX_DEFAULT and PAIRS_DEFAULT,
+                DX_OCCUPANCY=dx_occupancy, DX_WORKER_WARPS=dx_warps)
 
 
-FLAGS = ("PAIRS", "SPLIT_DX", "PREFETCH", "FUSE_STATES", "SCORES_IN_MEMORY", "INDEX64")
+FLAGS = ("PAIRS", "SPLIT_DX", "FUSE_STATES", "SCORES_IN_MEMORY", "INDEX64")
+
+
+def launch_hints(cfg, prefix):
+    """The compiler hints of one launch from its config keys ``{prefix}OCCUPANCY`` (None or
+    1..32 blocks per multiprocessor) and ``{prefix}WORKER_WARPS`` (None, 4 or 8), checked, as
+    ``with_hints`` takes them."""
+    occ, warps = cfg[prefix + "OCCUPANCY"], cfg[prefix + "WORKER_WARPS"]
+    if occ is not None and (isinstance(occ, bool) or not isinstance(occ, int)
+                            or not 1 <= occ <= 32):
+        raise ValueError(f"{prefix}OCCUPANCY must be None or an int in 1..32, got {occ!r}")
+    if warps is not None and (isinstance(warps, bool) or warps not in (4, 8)):
+        raise ValueError(f"{prefix}WORKER_WARPS must be None, 4 or 8, got {warps!r}")
+    return dict(occupancy=occ, num_worker_warps=warps)
 
 
 def resolved_config(config, **shape):
     """``config`` (a dict of some of ``default_config``'s keys, or None) over the default for
-    ``shape``, checked; FUSE_STATES, where ``config`` does not set it, follows the config's PAIRS
-    (``fuse_states``): a config that turns the pair kernel off gets the token kernel's own best
-    FUSE_STATES. ``bwd_compute_out_plan``, ``ops.backward.kernel_backward`` and its
-    ``memory_accounting`` all take a config through here."""
+    ``shape``, checked; FUSE_STATES and SPLIT_DX, where ``config`` does not set them, follow the
+    config's PAIRS (``fuse_states``; SPLIT_DX needs the pair kernel): a config that turns the
+    pair kernel off gets the token kernel alone at its own best FUSE_STATES.
+    ``bwd_compute_out_plan``, ``ops.backward.kernel_backward`` and its ``memory_accounting`` all
+    take a config through here."""
     cfg = resolve_config(config, default_config(**shape))
     for key in FLAGS:
         if not isinstance(cfg[key], bool):
@@ -875,6 +898,12 @@ def resolved_config(config, **shape):
         seqlen = shape.get("seqlen")
         tokens = None if seqlen is None else shape.get("batch", 1) * seqlen
         cfg["FUSE_STATES"] = fuse_states(shape["dstate"], tokens, cfg["PAIRS"])
+    if "SPLIT_DX" not in (config or {}):
+        cfg["SPLIT_DX"] = SPLIT_DX_DEFAULT and cfg["PAIRS"]
+    elif cfg["SPLIT_DX"] and not cfg["PAIRS"]:
+        raise ValueError("SPLIT_DX needs the pair kernel (PAIRS=True)")
+    for prefix in ("PAIR_", "DX_"):
+        launch_hints(cfg, prefix)
     return cfg
 
 
@@ -888,10 +917,11 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
     group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
     multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
-    default (in a kernel of their own, or fused), C B^T the other way than the default
-    (read from memory or formed per head; alone and with one head per block), the pair kernel
-    the other way, and with it dx in a launch of its own (SPLIT_DX, at two hints) and half and
-    twice its default heads per block."""
+    default (in a kernel of their own, or fused), the token kernel alone (no pair kernel) with
+    C B^T read from memory or formed per head (alone and with one head per block) and at the
+    default's, the pair kernel with the token work fused (SPLIT_DX the other way), the dx
+    launch at the other ``dx_hints``, and the pair kernel's heads per block halved and
+    doubled."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
     configs = [base]
@@ -906,23 +936,25 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
                     "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
     configs.append({**base, "FUSE_STATES": not base["FUSE_STATES"]})
-    # C B^T the other way (from memory, once per group: ops/kernels/common.py; or formed per head),
-    # alone and with more, smaller blocks
+    # the token kernel alone, C B^T either way (from memory, once per group:
+    # ops/kernels/common.py; or formed per head), the other way alone and with one head per block
+    alone = {**base, "PAIRS": False, "SPLIT_DX": False,
+             "FUSE_STATES": fuse_states(dstate, None if shape.get("seqlen") is None
+                                        else shape.get("batch", 1) * shape["seqlen"])}
     other = not base["SCORES_IN_MEMORY"]
-    configs += [{**base, "SCORES_IN_MEMORY": other, "PAIRS": False},
-                {**base, "SCORES_IN_MEMORY": other, "PAIRS": False, "HEADS_PER_BLOCK": 1}]
-    # the pair kernel the other way; with it, dx in a launch of its own, and its heads per
-    # block halved and doubled
-    configs.append({**base, "PAIRS": not base["PAIRS"]})
-    configs += [{**base, "PAIRS": True, "SPLIT_DX": True},
-                {**base, "PAIRS": True, "SPLIT_DX": True, "DX_OCCUPANCY": 4,
-                 "DX_WORKER_WARPS": None}]
+    configs += [alone, {**alone, "SCORES_IN_MEMORY": other},
+                {**alone, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
+    # with the pair kernel: the token work fused, or dx at the other hints; the pair kernel's
+    # heads per block halved and doubled
     pairs = {**base, "PAIRS": True}
+    configs.append({**pairs, "SPLIT_DX": not base["SPLIT_DX"]})
+    occ, warps = (4, None) if dx_hints(dstate) == (2, 8) else (2, 8)
+    configs.append({**pairs, "SPLIT_DX": True, "DX_OCCUPANCY": occ, "DX_WORKER_WARPS": warps})
     phb = base["PAIR_HEADS_PER_BLOCK"]
     for other_phb in (phb // 2, phb * 2):
         if other_phb in group_divisors(nheads, ngroups):
             configs.append({**pairs, "PAIR_HEADS_PER_BLOCK": other_phb})
-    return unique(configs)
+    return unique(configs)[:16]
 
 
 def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
@@ -1069,8 +1101,9 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                      nheads // ngroups, phb, chunk_size, bt, tile_size(headdim),
                      tile_size(dstate), seq_idx is not None, cfg["LOAD_LAT"])
         pair_grid = (nchunks * (chunk_size // bt) ** 2 * ngroups * psplits, batch)
-        before = (Plan(pair_grid, fit_index_width(bwd_pairs_kernel, pair_args, cfg["INDEX64"]),
-                       pair_args, (scores, dcb_parts, cols, rows)),)
+        pair_kernel = with_hints(fit_index_width(bwd_pairs_kernel, pair_args, cfg["INDEX64"]),
+                                 launch_hints(cfg, "PAIR_"))
+        before = (Plan(pair_grid, pair_kernel, pair_args, (scores, dcb_parts, cols, rows)),)
         pair_outputs = (dcb_parts, cols, rows)
     elif cfg["SCORES_IN_MEMORY"]:
         # C B^T once per (chunk, group), in the token kernel's tiles
@@ -1081,13 +1114,12 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     if cfg["SPLIT_DX"]:
         # two launches after the pair kernel: the states' products and dB, dC over each block's
         # heads; then dx, ddt and ddA with one head per block
-        if not cfg["PAIRS"]:
-            raise ValueError("SPLIT_DX needs the pair kernel (PAIRS=True)")
         state_ddt = new_output(dt_out.shape, torch.float32, device, poison)
         state_ddA = new_output(dt_out.shape, torch.float32, device, poison)
         dcb_parts, cols, rows = pair_outputs
+        ds_arg = stand_in(dS, 5)                    # one stand-in for both launches
         states_args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dB_parts, dC_parts,
-                       state_ddt, state_ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), dcb_parts,
+                       state_ddt, state_ddA, ds_arg, stand_in(ddA_tiles, 4), dcb_parts,
                        nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
                        tile_size(dstate), seq_idx is not None, bf16, dS is not None,
                        cfg["LOAD_LAT"])
@@ -1096,16 +1128,11 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         before = before + (Plan(grid, states_kernel, states_args,
                                 (dB_parts, dC_parts, state_ddt, state_ddA, ddA_tiles)),)
         args = (dy, x, B, dt_out, dA_cumsum, seq_arg, dx, ddt, ddA, state_ddt, state_ddA,
-                stand_in(dS, 5), stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows,
+                ds_arg, stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows,
                 nheads // ngroups, chunk_size, bt, tile_size(headdim), tile_size(dstate),
                 seq_idx is not None, bf16, dS is not None, D is not None, cfg["LOAD_LAT"])
-        occ, warps = cfg["DX_OCCUPANCY"], cfg["DX_WORKER_WARPS"]
-        if occ is not None and not (isinstance(occ, int) and 1 <= occ <= 32):
-            raise ValueError(f"DX_OCCUPANCY must be None or an int in 1..32, got {occ!r}")
-        if warps not in (None, 4, 8):
-            raise ValueError(f"DX_WORKER_WARPS must be None, 4 or 8, got {warps!r}")
         kernel = with_hints(fit_index_width(bwd_token_dx_kernel, args, cfg["INDEX64"]),
-                            dict(occupancy=occ, num_worker_warps=warps))
+                            launch_hints(cfg, "DX_"))
         grid = (tiles * nheads, batch)
     else:
         args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts,
@@ -1115,7 +1142,7 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                 *(stand_in(t, n) for t, n in zip(pair_outputs, (6, 5, 5))),
                 nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
                 tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
-                scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"], cfg["PREFETCH"])
+                scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"])
         kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
     if launches == "tokens":
         return Plan(grid, kernel, args, outputs, before)
