@@ -121,6 +121,9 @@ CASES = [
                  dict(HEADS_PER_BLOCK=4, DX_OCCUPANCY=2, DX_WORKER_WARPS=8, PAIR_OCCUPANCY=2,
                       PAIR_WORKER_WARPS=4),
                  id="split-dx-whole-group-of-four-hints"),
+    # two heads per dx block (a whole group of two), tiles past the sequence, packed sequences
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, DX_HEADS_PER_BLOCK=2), id="split-dx-two-heads-per-dx-block"),
 ]
 
 
@@ -147,7 +150,7 @@ def test_matches_the_reference(device, dtype, case, config):
     CASES[0], CASES[3], *(c for c in CASES if c.id in (
         "scores-in-memory-tiles16-whole-group", "token-kernel-alone-tiles16-seq-whole-group",
         "pairs-fused-tiles16-seq-two-pair-splits", "split-dx-tiles16-seq-head-partials",
-        "split-dx-whole-group-of-four-hints"))])
+        "split-dx-whole-group-of-four-hints", "split-dx-two-heads-per-dx-block"))])
 def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
     """With dS and D the token kernel's outputs are compute_out's gradients plus
     ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
@@ -361,6 +364,10 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, config=dict(PAIRS="no"))
     with pytest.raises(TypeError, match="PAIR_HEADS_PER_BLOCK must be an int"):
         bwd_compute_out_plan(**inputs, config=dict(PAIR_HEADS_PER_BLOCK=2.0))
+    with pytest.raises(TypeError, match="DX_HEADS_PER_BLOCK must be an int"):
+        bwd_compute_out_plan(**inputs, config=dict(DX_HEADS_PER_BLOCK=True))
+    with pytest.raises(ValueError, match="DX_HEADS_PER_BLOCK"):
+        bwd_compute_out_plan(**inputs, config=dict(DX_HEADS_PER_BLOCK=3))
 
 
 # Ahead-of-time compilation (both kernels) ------------------------------------------------------
@@ -397,7 +404,9 @@ COMPILE += [pytest.param(dict(chunk=128, config=dict(SPLIT_DX=False)), arch,
                          id=f"layer-pairs-fused-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
 COMPILE += [pytest.param(dict(chunk=128), arch, id=f"layer-split-dx-{arch}")
             for arch in ("sm_80", "sm_90", "sm_100")]
-COMPILE += [pytest.param(dict(chunk=128, dstate=256), "sm_90", id="layer-split-dx-dstate256-sm_90")]
+COMPILE += [pytest.param(dict(chunk=128, dstate=256), "sm_90", id="layer-split-dx-dstate256-sm_90"),
+            pytest.param(dict(chunk=128, config=dict(DX_HEADS_PER_BLOCK=2)), "sm_90",
+                         id="layer-split-dx-two-heads-sm_90")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)

@@ -596,6 +596,55 @@ def bwd_token_states_kernel(
         ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
 
 
+def dx_zero_tile(ddt, ddA, dD, b, h, c, t, tile, zero, P, WITH_SKIP):
+    """Token tile t of chunk c lies wholly past the sequence: head h's ddt and ddA there (whole
+    chunks) are zero, and so is its dD partial."""
+    ct.store(ddt, (b, h, c, t), zero)
+    ct.store(ddA, (b, h, c, t), zero)
+    if WITH_SKIP:
+        ct.store(dD, (b, tile, h, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
+
+
+def dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS,
+                 D, dD, scores, cols, rows, b, h, g, c, t, tile, valid, pos_t, seq_t, CHUNK,
+                 BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT):
+    """``bwd_token_dx_kernel``'s work for one head h of token tile t (chunk c): dx, ddt and ddA
+    of the tile's tokens, and dD's partial, written."""
+    TILES = CHUNK // BLOCK_T
+    dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+    dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
+    # Tile t as the source tokens s: G for dx, the pair kernel's sums for ddt.
+    dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
+    ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
+    for i in range(t, valid):
+        dx_acc, ddt_acc = pair_source_step(
+            dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
+            c * TILES + i, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT)
+    # ddA: the states' terms (carried in, own state), minus the column sums of dG G (dt
+    # times ddt's), plus the row sums
+    grad_dA = pair_row_sums(rows, chunk_tokens(state_ddA, b, h, c, t, BLOCK_T), ddt_acc, dt_t,
+                            b, h, c, t, BLOCK_T)
+    ddt_acc = ddt_acc + chunk_tokens(state_ddt, b, h, c, t, BLOCK_T)
+    if WITH_STATES:
+        # through the chunk's own state: dx gets v (B dS^T)
+        _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
+                                 CHUNK, BLOCK_T, HAS_SEQ_IDX)
+        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
+        ds = head_state(dS, b, c, h, P, N).astype(op)
+        b_ds = ct.mma(b_t, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
+        dx_acc = dx_acc + b_ds * v[:, None]
+    if WITH_SKIP:
+        # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
+        dy_f32 = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
+        x_f32 = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
+        d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+        dx_acc = dx_acc + dy_f32 * d_h[None, :]
+        ct.store(dD, (b, tile, h, 0), ct.reshape(ct.sum(dy_f32 * x_f32, axis=0), (1, 1, 1, P)))
+    ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
+    ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
+    ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+
+
 @ct.kernel
 def bwd_token_dx_kernel(
     dy: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim), x's dtype
@@ -625,12 +674,17 @@ def bwd_token_dx_kernel(
     WITH_STATES: ConstBool,
     WITH_SKIP: ConstBool,
     LOAD_LAT: ConstInt,
+    HEADS: ConstInt,                    # heads per block, of one group, one after the other
 ):
-    nheads = x.shape[2]
-    h = ct.bid(0) % nheads
-    tile = ct.bid(0) // nheads
+    if HEADS == 1:
+        first_head = ct.bid(0) % x.shape[2]
+        tile = ct.bid(0) // x.shape[2]
+    else:
+        head_blocks = x.shape[2] // HEADS
+        first_head = (ct.bid(0) % head_blocks) * HEADS
+        tile = ct.bid(0) // head_blocks
     b = ct.bid(1)
-    g = h // heads_per_group
+    g = first_head // heads_per_group
     TILES = CHUNK // BLOCK_T
     c, t = tile // TILES, tile % TILES
     valid = min(TILES, ct.cdiv(x.shape[1] - c * CHUNK, BLOCK_T))
@@ -638,45 +692,25 @@ def bwd_token_dx_kernel(
     if t >= valid:
         # Past the end of the sequence: only ddt and ddA (whole chunks) are there, all zero.
         zero = ct.zeros((1, 1, 1, BLOCK_T), dtype=ct.float32)
-        ct.store(ddt, (b, h, c, t), zero)
-        ct.store(ddA, (b, h, c, t), zero)
-        if WITH_SKIP:
-            ct.store(dD, (b, tile, h, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
+        if HEADS == 1:
+            dx_zero_tile(ddt, ddA, dD, b, first_head, c, t, tile, zero, P, WITH_SKIP)
+        else:
+            for k in range(HEADS):
+                dx_zero_tile(ddt, ddA, dD, b, first_head + k, c, t, tile, zero, P, WITH_SKIP)
     else:
         pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
-        dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
-        dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
-        # Tile t as the source tokens s: G for dx, the pair kernel's sums for ddt.
-        dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
-        ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
-        for i in range(t, valid):
-            dx_acc, ddt_acc = pair_source_step(
-                dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
-                c * TILES + i, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT)
-        # ddA: the states' terms (carried in, own state), minus the column sums of dG G (dt
-        # times ddt's), plus the row sums
-        grad_dA = pair_row_sums(rows, chunk_tokens(state_ddA, b, h, c, t, BLOCK_T), ddt_acc, dt_t,
-                                b, h, c, t, BLOCK_T)
-        ddt_acc = ddt_acc + chunk_tokens(state_ddt, b, h, c, t, BLOCK_T)
-        if WITH_STATES:
-            # through the chunk's own state: dx gets v (B dS^T)
-            _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
-                                     CHUNK, BLOCK_T, HAS_SEQ_IDX)
-            b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
-            ds = head_state(dS, b, c, h, P, N).astype(op)
-            b_ds = ct.mma(b_t, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
-            dx_acc = dx_acc + b_ds * v[:, None]
-        if WITH_SKIP:
-            # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
-            dy_f32 = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
-            x_f32 = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
-            d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
-            dx_acc = dx_acc + dy_f32 * d_h[None, :]
-            ct.store(dD, (b, tile, h, 0), ct.reshape(ct.sum(dy_f32 * x_f32, axis=0), (1, 1, 1, P)))
-        ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
-        ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
-        ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+        if HEADS == 1:
+            dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                         state_ddA, dS, D, dD, scores, cols, rows, b, first_head, g, c, t,
+                         tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
+                         WITH_STATES, WITH_SKIP, LOAD_LAT)
+        else:
+            for k in range(HEADS):                  # the heads, in order
+                dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                             state_ddA, dS, D, dD, scores, cols, rows, b, first_head + k, g, c,
+                             t, tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX,
+                             op, WITH_STATES, WITH_SKIP, LOAD_LAT)
 
 
 @ct.kernel
@@ -812,8 +846,9 @@ def dx_hints(dstate):
     four blocks per multiprocessor at the compiler's warp count where dstate's tile is up to
     128, two blocks of eight worker warps beyond. A training step's scan took less time with the
     first at the 2.7B and 8B shapes, 16K x dstate 128 and 4K x dstate 64, and with the second at
-    64K x dstate 256, in every run that timed both (``tests/benchmark/results/bwd_split_dx_h200.csv``,
-    ``bwd_token_variants_h200.csv``); at the 130M shape (host-bound, eager) the runs disagree.
+    64K x dstate 256, in every run that timed both
+    (``tests/benchmark/results/bwd_split_dx_h200.csv``, ``bwd_token_variants_h200.csv``); at the
+    130M shape (host-bound, eager) the runs disagree.
     Dstate 512 is untimed and goes with 256. The kernel holds no dstate-wide accumulator, so
     its registers grow with dstate only through B's tile and dS (``python -m ops.tools.sass``)."""
     return (2, 8) if tile_size(dstate) >= 256 else (4, None)
@@ -826,18 +861,21 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     up to 128 dstate columns, eight worker warps for the token kernel (``WORKER_WARPS``), and
     FUSE_STATES (``fuse_states``): ``ops/backward.py`` lets the token kernel do
     ``bwd_chunk_states``' work too (False: it launches that kernel after this one), except at
-    dstate 256 from 16K tokens without the pair kernel. PAIRS (``PAIRS_DEFAULT``): the pair
-    kernel first, with PAIR_HEADS_PER_BLOCK heads per block (``default_heads_per_block`` at
-    ``PAIR_BLOCKS_PER_SM``), at two blocks per multiprocessor (``PAIR_OCCUPANCY``) and the
-    compiler's warp count (PAIR_WORKER_WARPS None); it forms C B^T itself, so SCORES_IN_MEMORY then has no effect. SPLIT_DX
-    (``SPLIT_DX_DEFAULT``, module docstring "Split dx"): after the pair kernel, the token work
-    in two launches, the dx launch at ``dx_hints``. The states launch takes the token kernel's
+    dstate 256 from 16K tokens without the pair kernel.
+    PAIRS (``PAIRS_DEFAULT``): the pair kernel first, with PAIR_HEADS_PER_BLOCK heads per block
+    (``default_heads_per_block`` at ``PAIR_BLOCKS_PER_SM``), at two blocks per multiprocessor
+    (``PAIR_OCCUPANCY``) and the compiler's warp count (PAIR_WORKER_WARPS None); it forms C B^T
+    itself, so SCORES_IN_MEMORY then has no effect.
+    SPLIT_DX (``SPLIT_DX_DEFAULT``, module docstring "Split dx"): after the pair kernel, the
+    token work in two launches. The dx launch at ``dx_hints``, one head per block
+    (DX_HEADS_PER_BLOCK 1; several heads of one group per block, one after the other, are tested
+    on the interpreter and compiled, but untimed). The states launch takes the token kernel's
     tiles, heads per block and hints (occupancy, num_worker_warps): one block of eight worker
     warps (two blocks of four took 10-25% more time at the 2.7B and 8B shapes, 16K x dstate 128
     and 64K x dstate 256: ``bwd_split_dx_h200.csv``).
     LOAD_LAT 0: no latency hint on the tile loads (3, 6 and 10 took longer at the 2.7B shape).
-    SCORES_IN_MEMORY where dstate's tile is 128
-    (``scores_in_memory``), else off: the token kernel forms each head's C B^T tiles itself."""
+    SCORES_IN_MEMORY where dstate's tile is 128 (``scores_in_memory``), else off: the token
+    kernel forms each head's C B^T tiles itself."""
     bt = default_block_t(chunk_size, headdim, dstate)
     if seqlen is None:
         hb = nheads // ngroups
@@ -861,7 +899,7 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                 SCORES_IN_MEMORY=scores_in_memory(dstate), PAIRS=PAIRS_DEFAULT,
                 PAIR_HEADS_PER_BLOCK=phb, PAIR_OCCUPANCY=PAIR_OCCUPANCY, PAIR_WORKER_WARPS=None,
                 LOAD_LAT=0, SPLIT_DX=SPLIT_DX_DEFAULT and PAIRS_DEFAULT,
-                DX_OCCUPANCY=dx_occupancy, DX_WORKER_WARPS=dx_warps)
+                DX_OCCUPANCY=dx_occupancy, DX_WORKER_WARPS=dx_warps, DX_HEADS_PER_BLOCK=1)
 
 
 FLAGS = ("PAIRS", "SPLIT_DX", "FUSE_STATES", "SCORES_IN_MEMORY", "INDEX64")
@@ -891,9 +929,13 @@ def resolved_config(config, **shape):
     for key in FLAGS:
         if not isinstance(cfg[key], bool):
             raise TypeError(f"{key} must be True or False, got {cfg[key]!r}")
-    phb = cfg["PAIR_HEADS_PER_BLOCK"]
-    if isinstance(phb, bool) or not isinstance(phb, int):
-        raise TypeError(f"PAIR_HEADS_PER_BLOCK must be an int, got {phb!r}")
+    for key in ("PAIR_HEADS_PER_BLOCK", "DX_HEADS_PER_BLOCK"):
+        if isinstance(cfg[key], bool) or not isinstance(cfg[key], int):
+            raise TypeError(f"{key} must be an int, got {cfg[key]!r}")
+    if cfg["DX_HEADS_PER_BLOCK"] not in group_divisors(shape.get("nheads", 1),
+                                                        shape.get("ngroups", 1)):
+        raise ValueError(f"DX_HEADS_PER_BLOCK ({cfg['DX_HEADS_PER_BLOCK']}) must divide the "
+                         f"{shape.get('nheads', 1) // shape.get('ngroups', 1)} heads of a group")
     if "FUSE_STATES" not in (config or {}):
         seqlen = shape.get("seqlen")
         tokens = None if seqlen is None else shape.get("batch", 1) * seqlen
@@ -1130,10 +1172,11 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         args = (dy, x, B, dt_out, dA_cumsum, seq_arg, dx, ddt, ddA, state_ddt, state_ddA,
                 ds_arg, stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows,
                 nheads // ngroups, chunk_size, bt, tile_size(headdim), tile_size(dstate),
-                seq_idx is not None, bf16, dS is not None, D is not None, cfg["LOAD_LAT"])
+                seq_idx is not None, bf16, dS is not None, D is not None, cfg["LOAD_LAT"],
+                cfg["DX_HEADS_PER_BLOCK"])
         kernel = with_hints(fit_index_width(bwd_token_dx_kernel, args, cfg["INDEX64"]),
                             launch_hints(cfg, "DX_"))
-        grid = (tiles * nheads, batch)
+        grid = (tiles * nheads // cfg["DX_HEADS_PER_BLOCK"], batch)
     else:
         args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts,
                 ddt, ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2),
