@@ -91,8 +91,9 @@ Split dx (SPLIT_DX, with the pair kernel: the default)
     own: ``bwd_token_states_kernel`` (the token kernel's blocks and head loop) makes the states'
     products (dy @ entry, x @ dS) into dB and dC, and each head's states' terms of ddt and ddA
     into two (b, h, c, CHUNK) float32 buffers, and adds the quadratic dB and dC;
-    ``bwd_token_dx_kernel``, one block per (token tile, head), then forms G for dx, adds
-    v (B dS^T) and D dy, and completes ddt and ddA from the pair kernel's sums and those buffers.
+    ``bwd_token_dx_kernel``, one block per (token tile, head) (or per DX_HEADS_PER_BLOCK heads
+    of a group, one after the other), then forms G for dx, adds v (B dS^T) and D dy, and
+    completes ddt and ddA from the pair kernel's sums and those buffers.
     Its blocks hold no dstate-wide accumulator and run several per multiprocessor
     (``dx_hints``). A training step's scan took 8-18% less time split than fused at the 2.7B
     and 8B shapes, 16K x dstate 128 and 64K x dstate 256, and was level at 4K x dstate 64
