@@ -5,6 +5,7 @@ side by side.
         [--impls triton,cutile,tilegym] [--warm-procs 16] [--graph] [--out F.csv] [--plot F.png]
     python -m tests.benchmark.fwd_bwd --models --grid --grid-seqlens 4096 --impls triton,tilegym
     python -m tests.benchmark.fwd_bwd --replot F.csv --plot F.png      # no GPU needed
+    python -m tests.benchmark.fwd_bwd --grid ... --resume part1.csv --out all.csv   # in parts
 
 Shapes: the model shapes of ``tests/benchmark/models.py`` (``--models``; all by default) and, with
 ``--grid``, batch 1 x L in {4K, 16K, 64K} x dstate in {64, 128, 256}, 80 heads of headdim 64, 1
@@ -35,6 +36,11 @@ Per implementation and chunk (the caller's, as a model passes it):
     speedup      Triton's fwd_bwd_ms / this one's (NaN where Triton did not run)
     grad_diff_*  each gradient's relative difference (in norm) from Triton's (TileGym's dt and
                  dt_bias gradients are of another quantity, the processed dt: not compared)
+
+``--resume CSV`` takes an earlier run's rows of the shapes it measured whole (every
+implementation and chunk of this run) and runs only the others, so that a run longer than one
+sitting on a machine (TileGym's search at every shape) is made in parts that add up to one CSV;
+each shape's implementations are still measured side by side in one process.
 
 ``--warm-procs N`` first runs every first step in N spawned processes, which compile into the
 disk caches. TileGym autotunes exhaustively (about a hundred configs for each of its five
@@ -300,6 +306,26 @@ def plot(rows, path, device):
     fig.savefig(path, dpi=120)
 
 
+def resumed(path, shapes, impls, chunks, tilegym_chunk, graph):
+    """(rows kept, shapes left) for ``--resume``: an earlier CSV's rows of the shapes whose every
+    run (``_runs``) it holds, and the shapes still to run (a shape measured in part is run again
+    whole, its earlier rows dropped, so that its implementations stay side by side in one
+    process). Its rows of other shapes are kept too. Refused if it was made with and without
+    ``--graph`` the other way (the columns would differ)."""
+    from ops.results.report import load
+    earlier = load(path)
+    if earlier and ("graph_ms" in earlier[0]) != graph:
+        raise SystemExit(f"--resume {path}: made {'with' if not graph else 'without'} --graph, "
+                         f"this run {'with' if graph else 'without'}: give both the same")
+    have = {(r["shape"], r["impl"], int(r["chunk"])) for r in earlier}
+    done = {name for name, shape in shapes
+            if all((name, impl, chunk) in have
+                   for impl, chunk in _runs(shape, impls, chunks, tilegym_chunk))}
+    names = {name for name, _ in shapes}
+    kept = [r for r in earlier if r["shape"] in done or r["shape"] not in names]
+    return kept, [(name, shape) for name, shape in shapes if name not in done]
+
+
 def main(argv=None):
     from tests.benchmark.models import MODELS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -318,6 +344,9 @@ def main(argv=None):
     parser.add_argument("--graph", action="store_true",
                         help="also time each step replayed from a CUDA graph (graph_ms)")
     parser.add_argument("--out", help="CSV file to write")
+    parser.add_argument("--resume", metavar="CSV",
+                        help="an earlier run's CSV: its shapes with every run measured are kept "
+                             "and not run again (a long run made in parts)")
     parser.add_argument("--plot", help="figure (PNG) to write")
     parser.add_argument("--replot", metavar="CSV",
                         help="only draw --plot from this earlier run's CSV (no GPU needed)")
@@ -348,14 +377,18 @@ def main(argv=None):
         except ValueError as e:
             parser.error(str(e))
         shapes += [(shape_text(s), s) for s in points]
-    if args.warm_procs:
+    rows = []
+    if args.resume:
+        rows, shapes = resumed(args.resume, shapes, impls, chunks, args.tilegym_chunk, args.graph)
+        print(f"resuming {args.resume}: {len(rows)} rows kept, {len(shapes)} shapes to run",
+              flush=True)
+    if args.warm_procs and shapes:
         jobs = warm_jobs([s for _, s in shapes], impls, chunks, args.tilegym_chunk, args.tilegym_parts)
         start = time.perf_counter()
         with mp.get_context("spawn").Pool(args.warm_procs) as pool:
             for line in pool.imap_unordered(_warm, jobs):
                 print(line, flush=True)
         print(f"warmed {len(jobs)} first steps in {time.perf_counter() - start:.0f} s", flush=True)
-    rows = []
     for name, shape in shapes:
         inputs, dout = _setup(shape)
         base = ref = None               # Triton's row and gradients: the baseline, or none
@@ -387,7 +420,8 @@ def main(argv=None):
         if args.out and rows:           # after every shape: a run cut short keeps what it has
             from ops.results.report import write_csv
             device = torch.cuda.get_device_name()
-            write_csv(args.out, [dict(r, device=device, torch=torch.__version__) for r in rows])
+            write_csv(args.out, [{**r, "device": r.get("device") or device,
+                                  "torch": r.get("torch") or torch.__version__} for r in rows])
     if args.plot and rows:
         plot(rows, args.plot, torch.cuda.get_device_name())
 

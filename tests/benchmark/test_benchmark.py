@@ -836,6 +836,31 @@ def test_memory_probe_checks_its_shape(capsys):
     assert "--shape must be batch x seqlen x nheads x ngroups" in capsys.readouterr().err
 
 
+def test_fwd_bwd_resumes_an_earlier_run_shape_by_shape(tmp_path):
+    """--resume keeps an earlier CSV's shapes whose every run it holds (and its rows of shapes
+    not asked for), runs the rest, a shape measured in part again whole; a CSV made with --graph
+    the other way is refused."""
+    from ops.results.report import write_csv
+    from tests.benchmark import fwd_bwd
+    shape = dict(batch=1, seqlen=4096, nheads=80, headdim=64, ngroups=1, dstate=64)
+    shapes = [("a", shape), ("b", shape), ("c", shape)]
+    row = lambda name, impl, chunk: dict(shape=name, impl=impl, chunk=chunk, fwd_bwd_ms=1.5,
+                                         graph_ms=1.0)
+    earlier = [row("a", "triton", 256), row("a", "cutile", 256), row("a", "tilegym", 64),
+               row("b", "triton", 256), row("b", "cutile", 256),                # no TileGym
+               row("z", "triton", 256)]                                         # not asked for
+    path = tmp_path / "earlier.csv"
+    write_csv(path, earlier)
+    impls = ("triton", "cutile", "tilegym")
+    kept, left = fwd_bwd.resumed(path, shapes, impls, [256], 64, graph=True)
+    assert [name for name, _ in left] == ["b", "c"]
+    assert sorted({r["shape"] for r in kept}) == ["a", "z"] and len(kept) == 4
+    kept, left = fwd_bwd.resumed(path, shapes, ("triton", "cutile"), [256], 64, graph=True)
+    assert [name for name, _ in left] == ["c"] and len(kept) == 6
+    with pytest.raises(SystemExit, match="--graph"):
+        fwd_bwd.resumed(path, shapes, impls, [256], 64, graph=False)
+
+
 def test_fwd_bwd_runs_part_of_the_grid():
     """--grid-seqlens / --grid-dstates pick part of the grid (a long run made in parts); a value
     outside the grid is refused, naming the option."""
