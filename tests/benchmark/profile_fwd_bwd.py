@@ -16,8 +16,9 @@ softplus; ``fwd_bwd.py``'s inputs), mamba_ssm's Triton scan at chunk 256 and thi
 of ``--chunks`` run three warm-up steps (forward with gradients, then ``out.backward(dout)``), then
 ``--steps`` steps under ``torch.profiler``; each kernel's summed device time is divided by the
 steps. With ``--tilegym-chunk``, TileGym's step (``fwd_bwd.py``'s: its forward then its backward,
-given the processed dt) at that chunk too; its first steps autotune (a minute or more). The total is the GPU's busy time per step; a step's wall time (``fwd_bwd.py``) also holds
-the host's work between launches, and the gap between the two is how host-bound the step is.
+given the processed dt) at that chunk too; its first steps autotune (a minute or more). The total is
+the GPU's busy time per step; a step's wall time (``fwd_bwd.py``) also holds the host's work between
+launches, and the gap between the two is how host-bound the step is.
 """
 import argparse
 
