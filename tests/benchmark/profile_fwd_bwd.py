@@ -25,10 +25,10 @@ import argparse
 import torch
 
 
-def kernel_times(impl, chunk, shape, steps):
-    """-> {kernel name: ms per step} for one implementation."""
-    from torch.profiler import ProfilerActivity, profile
-
+def warm_step(impl, chunk, shape):
+    """One training step's scan of ``impl`` at ``chunk`` on ``fwd_bwd.py``'s inputs for
+    ``shape`` (TileGym's functional step, the others' autograd one), after three warm-up
+    steps."""
     from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup, _tilegym_step
     inputs, dout = _setup(shape)
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
@@ -37,6 +37,14 @@ def kernel_times(impl, chunk, shape, steps):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def kernel_times(impl, chunk, shape, steps):
+    """-> {kernel name: ms per step} for one implementation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = warm_step(impl, chunk, shape)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -50,14 +58,7 @@ def kernel_times(impl, chunk, shape, steps):
 
 def one_step_for_ncu(impl, chunk, shape):
     """Three warm-up steps, then one between cudaProfilerStart and cudaProfilerStop."""
-    from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup, _tilegym_step
-    inputs, dout = _setup(shape)
-    leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
-    step = (_tilegym_step(chunk, leaves, dout) if impl == "tilegym"
-            else _autograd_step(impl, chunk, leaves, dout))[0]
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
+    step = warm_step(impl, chunk, shape)
     torch.cuda.profiler.start()
     step()
     torch.cuda.synchronize()
