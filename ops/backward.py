@@ -193,8 +193,10 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
     tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
     token_parts = {"dD partials": batch * tiles * nheads * headdim * f32}
+    # the states launch's dstate slices (SPLIT_DX): a ddA tile sum and a ddt and ddA term each
+    slices = out_cfg["STATES_SLICES"] if out_cfg["PAIRS"] and out_cfg["SPLIT_DX"] else 1
     if fused:
-        token_parts["ddA_tiles"] = chunked // out_cfg["BLOCK_T"]
+        token_parts["ddA_tiles"] = chunked // out_cfg["BLOCK_T"] * slices
     else:                                   # one-element tensors passed for dS and ddA_tiles
         token_parts["unread stand-ins"] = 2 * f32
     # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY)
@@ -206,7 +208,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         scores["d(C B^T) partials"] = pair_splits * scores["C B^T scores"]
         scores["dG's row and column sums"] = 2 * chunked * (chunk_size // out_cfg["BLOCK_T"])
         if out_cfg["SPLIT_DX"]:
-            scores["the states' ddt and ddA terms"] = 2 * chunked
+            scores["the states' ddt and ddA terms"] = 2 * chunked * slices
     # fused: dx written once, complete, in x's dtype; else float32, completed by chunk_states
     # and converted at the end
     dx = {"dx (x's dtype)": tokens * e} if fused else {"dx (float32)": tokens * f32}

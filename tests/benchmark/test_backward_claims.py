@@ -11,6 +11,8 @@ token launches, one test per statement, read from the H200 measurements committe
                                  latency hints at the 2.7B training shape
     bwd_split_dx_h200.csv        the split launches (SPLIT_DX) against the fused one, and hints
     bwd_token_variants_h200.csv  the split launches against the fused default of then
+    bwd_dx_slices_h200.csv       the dx launch's heads per block, hints and load order, and the
+                                 states launch's dstate slices, against the defaults
 
 Each file is one ``config_sweep.py --what step`` run (a training step's scan through
 ``kernel_forward`` and ``kernel_backward``; every variant timed in each round, its best round
@@ -91,9 +93,10 @@ def test_the_token_kernels_hints_the_default_does_not_take_are_slower_at_model_s
 
 
 # dx in a launch of its own (SPLIT_DX) and the launch hints ----------------------------------------
-#   bwd_split_dx_h200.csv        the default (split, dx at dx_hints, the pair kernel at the
-#                                compiler's occupancy then) against the fused token kernel and
-#                                other hints of the three launches, at six shapes
+#   bwd_split_dx_h200.csv        the default of then (split, one dx head per block at the hints
+#                                below, the pair kernel at the compiler's occupancy) against the
+#                                fused token kernel and other hints of the three launches, at six
+#                                shapes
 #   bwd_token_variants_h200.csv  the fused token kernel after the pair kernel (the default of
 #                                then) against SPLIT_DX at both dx hints, 32-token tiles and
 #                                PREFETCH (a head's loads a head ahead; removed), four shapes
@@ -117,7 +120,8 @@ def token_variants():
 
 
 def test_split_dx_takes_8_to_18_percent_less_time_level_at_4k_dstate_64(split, token_variants):
-    """The module docstring's "Split dx": in both runs, at dx_hints' choice for the shape."""
+    """The module docstring's "Split dx": in both runs, one dx head per block at the hints of
+    then for the shape (four blocks up to dstate 128, two of eight warps at 256)."""
     for shape in (*DSTATE_128, "1x65536x80:256"):
         saved = 1 - split[(shape, "default")] / split[(shape, FUSED)]
         assert 0.08 <= saved <= 0.18, (shape, saved)
@@ -132,7 +136,8 @@ def test_split_dx_takes_8_to_18_percent_less_time_level_at_4k_dstate_64(split, t
     assert split[(shape, "default")] > split[(shape, FUSED)]
 
 
-def test_dx_hints_four_blocks_up_to_dstate_128_two_of_eight_warps_at_256(split, token_variants):
+def test_one_dx_head_four_blocks_up_to_dstate_128_two_of_eight_warps_at_256(split, token_variants):
+    """``dx_config``'s hints at dstate 256, and at one head per block below (the rule of then)."""
     for shape in (*DSTATE_128, "1x4096x80:64"):
         assert split[(shape, DX_FOUR)] < split[(shape, DX_TWO)], shape
     for shape in ("mamba2-2.7b-train", "8b-hybrid-layer"):
@@ -175,3 +180,52 @@ def test_what_was_not_kept_was_slower(token_variants):
             (shape, "default")], shape
         assert token_variants[(shape, "bwd_compute_out:SPLIT_DX=true,BLOCK_T=32")] > token_variants[
             (shape, SPLIT_AT[DX_TWO])], shape
+
+
+# The dx launch's heads and loads, the states launch's slices ---------------------------------------
+#   bwd_dx_slices_h200.csv       the defaults (``dx_config``, ``states_slices``) against the rule
+#                                before them and each change alone, at seven shapes
+
+DX = "bwd_compute_out:DX_HEADS_PER_BLOCK={},DX_OCCUPANCY={},DX_WORKER_WARPS=none,DX_LOADS_FIRST={}"
+ONE_HEAD_IN_ORDER, ONE_HEAD_LOADS_FIRST = DX.format(1, 4, "false"), DX.format(1, 4, "true")
+TWO_HEADS_LOADS_FIRST = DX.format(2, 2, "true")
+TWO_HEADS_IN_ORDER = "bwd_compute_out:DX_LOADS_FIRST=false"
+SLICES = "bwd_compute_out:STATES_SLICES={}".format
+TRAINING_128 = ("mamba2-2.7b-train", "8b-hybrid-layer", "mamba2-130m-train", "1x16384x80:128")
+
+
+@pytest.fixture(scope="module")
+def dx_slices():
+    return times("bwd_dx_slices_h200.csv")
+
+
+def test_two_dx_heads_with_loads_first_take_4_to_5_percent_less_time_up_to_dstate_128(dx_slices):
+    """``dx_config`` up to 128 against one head at four blocks in order (the rule before), and
+    each of its two changes alone saving less."""
+    for shape in TRAINING_128:
+        default = dx_slices[(shape, "default")]
+        saved = 1 - default / dx_slices[(shape, ONE_HEAD_IN_ORDER)]
+        assert 0.04 <= saved < 0.055, (shape, saved)
+        assert default < dx_slices[(shape, ONE_HEAD_LOADS_FIRST)], shape
+        assert default < dx_slices[(shape, TWO_HEADS_IN_ORDER)], shape
+
+
+def test_at_dstate_256_one_dx_head_in_order_at_two_blocks_of_eight_warps(dx_slices):
+    """The other rule there took 13% more time, one head at four blocks 10% more."""
+    shape = "1x65536x80:256"
+    default = dx_slices[(shape, "default")]
+    assert 0.12 <= dx_slices[(shape, TWO_HEADS_LOADS_FIRST)] / default - 1 < 0.14
+    for variant in (ONE_HEAD_IN_ORDER, ONE_HEAD_LOADS_FIRST):
+        assert 0.08 <= dx_slices[(shape, variant)] / default - 1 < 0.11, variant
+
+
+def test_two_states_slices_at_dstate_256_one_below(dx_slices):
+    """``states_slices``: 17.6 -> 12.2 ms at 64K x dstate 256, four slices 13% slower than two;
+    two slices of 64 at dstate 128 9-12% slower than one."""
+    shape = "1x65536x80:256"
+    default = dx_slices[(shape, "default")]
+    assert round(dx_slices[(shape, SLICES(1))], 1) == 17.6 and round(default, 1) == 12.2
+    assert 0.12 <= dx_slices[(shape, SLICES(4))] / default - 1 < 0.14
+    for shape in TRAINING_128:
+        more = dx_slices[(shape, SLICES(2))] / dx_slices[(shape, "default")] - 1
+        assert 0.09 <= more < 0.12, (shape, more)

@@ -124,6 +124,21 @@ CASES = [
     # two heads per dx block (a whole group of two), tiles past the sequence, packed sequences
     pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
                  dict(BLOCK_T=16, DX_HEADS_PER_BLOCK=2), id="split-dx-two-heads-per-dx-block"),
+    # the dx launch's loads before its loop and in the loop's order, one and two heads per dx
+    # block, head splits of the states launch, tiles past the sequence
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=1, DX_HEADS_PER_BLOCK=1, DX_LOADS_FIRST=True),
+                 id="split-dx-loads-first-one-head"),
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, DX_HEADS_PER_BLOCK=2, DX_LOADS_FIRST=False),
+                 id="split-dx-loads-in-order-two-heads"),
+    # the states launch over dstate slices (two of 16 columns, four of 16 at dstate 64), with
+    # head splits, with one and two heads per dx block
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100)),
+                 dict(BLOCK_T=16, HEADS_PER_BLOCK=1, STATES_SLICES=2, DX_HEADS_PER_BLOCK=1),
+                 id="split-dx-two-dstate-slices-head-partials"),
+    pytest.param(dict(seqlen=150, chunk=64, seq=(10, 64, 100), dstate=64),
+                 dict(BLOCK_T=16, STATES_SLICES=4), id="split-dx-four-dstate-slices"),
 ]
 
 
@@ -150,7 +165,9 @@ def test_matches_the_reference(device, dtype, case, config):
     CASES[0], CASES[3], *(c for c in CASES if c.id in (
         "scores-in-memory-tiles16-whole-group", "token-kernel-alone-tiles16-seq-whole-group",
         "pairs-fused-tiles16-seq-two-pair-splits", "split-dx-tiles16-seq-head-partials",
-        "split-dx-whole-group-of-four-hints", "split-dx-two-heads-per-dx-block"))])
+        "split-dx-whole-group-of-four-hints", "split-dx-two-heads-per-dx-block",
+        "split-dx-loads-first-one-head", "split-dx-loads-in-order-two-heads",
+        "split-dx-two-dstate-slices-head-partials", "split-dx-four-dstate-slices"))])
 def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, config):
     """With dS and D the token kernel's outputs are compute_out's gradients plus
     ``chunk_states_backward``'s (dx, dB, ddt_out, ddA_cumsum; ddA at each chunk's last token
@@ -195,6 +212,27 @@ def test_fused_states_and_skip_match_the_reference(device, dtype, D_dims, case, 
         assert got[name].shape == w.shape, name
         err = rel_err(got[name].cpu().double(), w)
         assert err < tol, (name, err)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", [dict(DX_LOADS_FIRST=False), dict(DX_LOADS_FIRST=True)],
+                         ids=["loads-in-order", "loads-first"])
+def test_skip_without_the_states_terms(device, config):
+    """D without dS (the chunk states' gradients in a kernel of their own, FUSE_STATES=False):
+    compute_out's gradients plus the skip's, dD's partials written by the dx launch, tiles past
+    the sequence included. float32 inputs, float32 products: 1e-5."""
+    from ops.runtime.launch import run
+    inputs, want = problem(torch.float32, seqlen=150, chunk=64, seq=(10, 64, 100))
+    x, dy = inputs["x"], inputs["dy"]
+    D = torch.randn(x.shape[2], x.shape[3], generator=torch.Generator().manual_seed(5))
+    dx, _, _, ddt, ddA, ddA_tiles, dD_parts, _ = run(bwd_compute_out_plan(
+        **on(inputs, device), poison=True, config=dict(BLOCK_T=16, **config), D=D.to(device)))
+    assert ddA_tiles is None
+    expected = dict(dx=want[0] + dy.double() * D.double(), ddt=want[3], ddA=want[4],
+                    dD=(dy.double() * x.double()).sum((0, 1)))
+    got = dict(dx=dx, ddt=ddt, ddA=ddA, dD=dD_parts.sum((0, 1)))
+    for name, w in expected.items():
+        assert rel_err(got[name].cpu().double(), w) < 1e-5, name
 
 
 def test_optional_terms_are_checked():
@@ -291,22 +329,34 @@ def test_the_pair_kernel_runs_first_by_default_with_fewer_larger_blocks():
 
 
 def test_dx_in_a_launch_of_its_own_after_the_pair_kernel_by_default():
-    """SPLIT_DX by default, at ``mod.dx_hints``: four blocks at the compiler's warps up to
-    dstate's tile 128, two blocks of eight worker warps beyond (faster on the H200 each where
-    measured). A config turning the pair kernel off gets the token kernel alone (SPLIT_DX
-    follows PAIRS unless set; set with PAIRS off, it is refused); the search space holds the
-    fused token kernel after the pair kernel and the other dx hints."""
-    for dstate, hints in ((16, (4, None)), (64, (4, None)), (128, (4, None)), (256, (2, 8)),
-                          (512, (2, 8))):
-        shape = dict(VARIANT_SHAPE, dstate=dstate)
+    """SPLIT_DX by default, the dx launch as ``mod.dx_config`` says: up to dstate's tile 128 two
+    heads per block (one where a group's heads are odd) at two blocks per multiprocessor (four
+    for one head), the loads first; beyond, one head per block, two blocks of eight worker
+    warps, the loads in order (faster on the H200 each where measured). The states launch over
+    slices of 128 dstate columns. A config turning the pair kernel off gets the token kernel
+    alone (SPLIT_DX follows PAIRS unless set; set with PAIRS off, it is refused); the search
+    space holds the fused token kernel after the pair kernel, the dx launch the other way and
+    the other number of slices."""
+    small = dict(DX_OCCUPANCY=2, DX_WORKER_WARPS=None, DX_HEADS_PER_BLOCK=2, DX_LOADS_FIRST=True)
+    odd = dict(DX_OCCUPANCY=4, DX_WORKER_WARPS=None, DX_HEADS_PER_BLOCK=1, DX_LOADS_FIRST=True)
+    large = dict(DX_OCCUPANCY=2, DX_WORKER_WARPS=8, DX_HEADS_PER_BLOCK=1, DX_LOADS_FIRST=False)
+    for dstate, dx, slices in ((16, small, 1), (64, small, 1), (128, small, 1), (256, large, 2),
+                               (512, large, 4)):
+        shape = dict(VARIANT_SHAPE, dstate=dstate, nheads=8, ngroups=2)
         cfg = mod.default_config(**shape)
         assert cfg["SPLIT_DX"] is True and cfg["PAIRS"] is True, dstate
-        assert (cfg["DX_OCCUPANCY"], cfg["DX_WORKER_WARPS"]) == hints, dstate
+        assert {k: cfg[k] for k in dx} == dx and cfg["STATES_SLICES"] == slices, dstate
+        if dx is small:
+            odd_cfg = mod.default_config(**dict(shape, nheads=6))       # 3 heads per group
+            assert {k: odd_cfg[k] for k in odd} == odd
         space = mod.search_space(**shape)
         assert len(space) <= 16
         assert {(c["PAIRS"], c["SPLIT_DX"]) for c in space} == {
             (True, True), (True, False), (False, False)}, dstate
-        assert {(c["DX_OCCUPANCY"], c["DX_WORKER_WARPS"]) for c in space} == {(4, None), (2, 8)}
+        split = [c for c in space if c["SPLIT_DX"]]
+        assert {c["DX_HEADS_PER_BLOCK"] for c in split} == {1, 2}, dstate
+        assert {c["STATES_SLICES"] for c in split} == (
+            {1} if dstate == 16 else {slices, 2 if slices == 1 else 1}), dstate
         assert mod.resolved_config(dict(PAIRS=False), **shape)["SPLIT_DX"] is False
         with pytest.raises(ValueError, match="SPLIT_DX needs the pair kernel"):
             mod.resolved_config(dict(PAIRS=False, SPLIT_DX=True), **shape)
@@ -368,6 +418,9 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, config=dict(DX_HEADS_PER_BLOCK=True))
     with pytest.raises(ValueError, match="DX_HEADS_PER_BLOCK"):
         bwd_compute_out_plan(**inputs, config=dict(DX_HEADS_PER_BLOCK=3))
+    for slices in (3, 4, 0, True):                  # dstate 32: at most two slices of 16
+        with pytest.raises(ValueError, match="STATES_SLICES must be a power of two"):
+            bwd_compute_out_plan(**inputs, config=dict(STATES_SLICES=slices))
 
 
 # Ahead-of-time compilation (both kernels) ------------------------------------------------------
@@ -404,9 +457,11 @@ COMPILE += [pytest.param(dict(chunk=128, config=dict(SPLIT_DX=False)), arch,
                          id=f"layer-pairs-fused-{arch}") for arch in ("sm_80", "sm_90", "sm_100")]
 COMPILE += [pytest.param(dict(chunk=128), arch, id=f"layer-split-dx-{arch}")
             for arch in ("sm_80", "sm_90", "sm_100")]
-COMPILE += [pytest.param(dict(chunk=128, dstate=256), "sm_90", id="layer-split-dx-dstate256-sm_90"),
-            pytest.param(dict(chunk=128, config=dict(DX_HEADS_PER_BLOCK=2)), "sm_90",
-                         id="layer-split-dx-two-heads-sm_90")]
+COMPILE += [pytest.param(dict(chunk=128, dstate=256), arch, id=f"layer-split-dx-dstate256-{arch}")
+            for arch in ("sm_90", "sm_100")]          # two dstate slices, one dx head per block
+COMPILE += [pytest.param(dict(chunk=128, config=dict(DX_HEADS_PER_BLOCK=1, DX_LOADS_FIRST=False,
+                                                     STATES_SLICES=2)), "sm_90",
+                         id="layer-split-dx-one-head-in-order-two-slices-sm_90")]
 
 
 @pytest.mark.parametrize("shape, arch", COMPILE)

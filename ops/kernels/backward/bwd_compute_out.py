@@ -91,19 +91,27 @@ Split dx (SPLIT_DX, with the pair kernel: the default)
     own: ``bwd_token_states_kernel`` (the token kernel's blocks and head loop) makes the states'
     products (dy @ entry, x @ dS) into dB and dC, and each head's states' terms of ddt and ddA
     into two (b, h, c, CHUNK) float32 buffers, and adds the quadratic dB and dC;
-    ``bwd_token_dx_kernel``, one block per (token tile, head) (or per DX_HEADS_PER_BLOCK heads
-    of a group, one after the other), then forms G for dx, adds v (B dS^T) and D dy, and
-    completes ddt and ddA from the pair kernel's sums and those buffers.
+    ``bwd_token_dx_kernel``, one block per (token tile, DX_HEADS_PER_BLOCK heads of a group, one
+    after the other), then forms G for dx, adds v (B dS^T) and D dy, and completes ddt and ddA
+    from the pair kernel's sums and those buffers.
     Its blocks hold no dstate-wide accumulator and run several per multiprocessor
-    (``dx_hints``). A training step's scan took 8-18% less time split than fused at the 2.7B
+    (``dx_config``). A training step's scan took 8-18% less time split than fused at the 2.7B
     and 8B shapes, 16K x dstate 128 and 64K x dstate 256, and was level at 4K x dstate 64
     (``tests/benchmark/results/bwd_split_dx_h200.csv``, and against the fused default of then
     ``bwd_token_variants_h200.csv``, which also holds two things not kept: 32-token tiles for
     the split launches, and loading the next head's entry state and dS a head ahead in the fused
     token kernel, both slower). At the 130M shape, whose eager step is close to host-bound,
     the two runs disagree (split faster in one, slower in the other).
-    The buffers it adds (``ops.backward.memory_accounting`` counts them): the two (b, h, c,
-    CHUNK) float32 terms.
+    The states launch's block still holds dB and dC's (BLOCK_T, dstate) accumulators and per
+    head a (headdim, dstate) entry state and dS: at dstate 256 that made it the step's longest
+    kernel by far, stalled on memory. STATES_SLICES gives each block one slice of dstate's
+    columns (``states_slices``: 128 each): every product of the launch is a sum over headdim or
+    over tokens, so a slice's dB and dC columns need no other slice, and only the two dot
+    products over dstate (ddA's carried term, and dv, which gives ddt's and ddA's terms) become
+    partial sums, kept one per slice (the two buffers get a leading slice axis, ddA_tiles a
+    tile per slice) and added in order by the dx launch and the host.
+    The buffers it adds (``ops.backward.memory_accounting`` counts them): the two (slices, b, h,
+    c, CHUNK) float32 terms.
 
 dB and dC across the heads of a group (deterministic, no atomics)
     B and C are shared by the heads of a group, so their gradients are sums over those heads. A
@@ -152,10 +160,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Helpers called from the kernels (compiled into them).
 
-def token_rows(array, b, tile, h, BLOCK_T, WIDTH, LOAD_LAT=0):
+def token_rows(array, b, tile, h, BLOCK_T, WIDTH, LOAD_LAT=0, k=0):
     """Token tile ``tile`` (BLOCK_T tokens of the sequence) of head or group h of a (batch,
-    seqlen, heads, width) array: (BLOCK_T, WIDTH), zero-padded past seqlen and width."""
-    t = ct.load(array, (b, tile, h, 0), shape=(1, BLOCK_T, 1, WIDTH), padding_mode=ZERO,
+    seqlen, heads, width) array: (BLOCK_T, WIDTH), zero-padded past seqlen and width; columns
+    k * WIDTH .. (k + 1) * WIDTH - 1 (slice k of the width)."""
+    t = ct.load(array, (b, tile, h, k), shape=(1, BLOCK_T, 1, WIDTH), padding_mode=ZERO,
                 latency=latency_hint(LOAD_LAT))
     return ct.reshape(t, (BLOCK_T, WIDTH))
 
@@ -191,12 +200,11 @@ def stored_score_tile(scores, b, c, g, i, j, BLOCK_T, LOAD_LAT=0):
     return ct.reshape(t, (BLOCK_T, BLOCK_T))
 
 
-def pair_source_step(dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
-                     row_tile, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT):
+def pair_source_step(dy_i, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i,
+                     t, row_tile, pos_t, seq_t, dA_t, dt_t, BLOCK_T, HAS_SEQ_IDX, op, LOAD_LAT):
     """One row tile i >= t of token tile t as the source tokens, after the pair kernel: dx_acc
-    plus G^T dy_i (G from the stored C B^T and the decays), ddt_acc plus the pair kernel's
-    column sums of dG G for the pair (i, t)."""
-    dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT)
+    plus G^T dy_i (G from the stored C B^T and the decays; dy_i: row tile i of head h's dy),
+    ddt_acc plus the pair kernel's column sums of dG G for the pair (i, t)."""
     dA_i = chunk_tokens(dA_cumsum, b, h, c, i, BLOCK_T)
     pos_i = i * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
     seq_i = sequence_ids(seq_idx, b, row_tile, BLOCK_T, HAS_SEQ_IDX)
@@ -219,10 +227,11 @@ def pair_row_sums(rows, grad_dA, ddt_acc, dt_t, b, h, c, t, BLOCK_T):
     return grad_dA
 
 
-def head_state(states, b, c, h, P, N):
+def head_state(states, b, c, h, P, N, k=0):
     """Head h's (P, N) state of chunk c from a (batch, nchunks, nheads, headdim, dstate) array,
-    zero-padded past headdim and dstate, in the array's dtype."""
-    return ct.reshape(ct.load(states, (b, c, h, 0, 0), shape=(1, 1, 1, P, N), padding_mode=ZERO),
+    zero-padded past headdim and dstate, in the array's dtype (dstate columns k * N ..
+    (k + 1) * N - 1: slice k)."""
+    return ct.reshape(ct.load(states, (b, c, h, 0, k), shape=(1, 1, 1, P, N), padding_mode=ZERO),
                       (P, N))
 
 
@@ -241,10 +250,11 @@ def own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, c, CH
 
 
 def carried_terms(entry_states, seq_idx, dy_t, c_t, dA_t, dC_acc, b, c, h, tile, CHUNK, BLOCK_T,
-                  P, N, HAS_SEQ_IDX, op):
+                  P, N, HAS_SEQ_IDX, op, k=0):
     """Token tile ``tile``'s terms through the state carried into chunk c, for head h: dC_acc
-    plus w (dy @ entry), and ddA's carried term w (dy . (C @ entry^T)) (w: ``carried_weight``)."""
-    state = head_state(entry_states, b, c, h, P, N).astype(op)
+    plus w (dy @ entry), and ddA's carried term w (dy . (C @ entry^T)) (w: ``carried_weight``);
+    over dstate slice k (N columns: c_t and dC_acc are that slice's, the term a partial sum)."""
+    state = head_state(entry_states, b, c, h, P, N, k).astype(op)
     dy_state = ct.mma(dy_t.astype(op), state, ct.zeros((BLOCK_T, N), dtype=ct.float32))
     w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
     dC_acc = dC_acc + dy_state * w_t[:, None]
@@ -252,18 +262,19 @@ def carried_terms(entry_states, seq_idx, dy_t, c_t, dA_t, dC_acc, b, c, h, tile,
 
 
 def own_state_terms(dS, ddA_tiles, x_t, b_t, decay, v, dB_acc, grad_dA, b, c, h, t, BLOCK_T, P,
-                    N, op):
+                    N, op, k=0, SLICES=1):
     """Token tile t's terms through chunk c's own state S[c] = sum_s v[s] outer(x[s], B[s]) for
     head h (``own_state_weights``' decay and v), as ``bwd_chunk_states`` computes them: dB_acc
     plus (x dS) v, ddt's term dv decay with dv = (x dS) . B, grad_dA minus dv v; the tile's
-    sum(dv v), ddA's term at the chunk's last token, is stored in ``ddA_tiles``. Returns those
-    three and dS[c] for h as operands (for dx's term v (B dS^T))."""
-    ds = head_state(dS, b, c, h, P, N).astype(op)
+    sum(dv v), ddA's term at the chunk's last token, is stored in ``ddA_tiles`` (at t * SLICES +
+    k). Returns those three and dS[c] for h as operands (for dx's term v (B dS^T)). Over dstate
+    slice k of SLICES (N columns: b_t and dB_acc are that slice's, dv a partial sum)."""
+    ds = head_state(dS, b, c, h, P, N, k).astype(op)
     x_ds = ct.mma(x_t.astype(op), ds, ct.zeros((BLOCK_T, N), dtype=ct.float32))
     dB_acc = dB_acc + x_ds * v[:, None]
     dv = ct.sum(x_ds * b_t.astype(ct.float32), axis=1)
     dvv = dv * v
-    ct.store(ddA_tiles, (b, h, c, t), ct.sum(dvv))
+    ct.store(ddA_tiles, (b, h, c, t * SLICES + k), ct.sum(dvv))
     return dB_acc, dv * decay, grad_dA - dvv, ds
 
 
@@ -279,17 +290,18 @@ def dcb_tile(dcb_parts, b, c, g, i, j, BLOCK_T, LOAD_LAT):
 
 
 def group_quadratic(dcb_parts, B, C, dB_acc, dC_acc, b, c, g, t, valid, TILES, BLOCK_T, N, op,
-                    LOAD_LAT):
+                    LOAD_LAT, k=0):
     """dB_acc and dC_acc plus token tile t's quadratic-form terms for group g, from the pair
     kernel's d(C B^T) summed over the group's heads (its head splits added in order): dB over
-    the row tiles i >= t, dC over the column tiles j <= t. Once per group, not once per head."""
+    the row tiles i >= t, dC over the column tiles j <= t. Once per group, not once per head.
+    Over dstate slice k (N columns)."""
     for i in range(t, valid):
         d_it = dcb_tile(dcb_parts, b, c, g, i, t, BLOCK_T, LOAD_LAT).astype(op)
-        c_i = token_rows(C, b, c * TILES + i, g, BLOCK_T, N, LOAD_LAT)
+        c_i = token_rows(C, b, c * TILES + i, g, BLOCK_T, N, LOAD_LAT, k)
         dB_acc = ct.mma(ct.transpose(d_it), c_i.astype(op), dB_acc)
     for j in range(t + 1):
         d_tj = dcb_tile(dcb_parts, b, c, g, t, j, BLOCK_T, LOAD_LAT).astype(op)
-        b_j = token_rows(B, b, c * TILES + j, g, BLOCK_T, N, LOAD_LAT)
+        b_j = token_rows(B, b, c * TILES + j, g, BLOCK_T, N, LOAD_LAT, k)
         dC_acc = ct.mma(d_tj, b_j.astype(op), dC_acc)
     return dB_acc, dC_acc
 
@@ -386,8 +398,9 @@ def bwd_compute_out_kernel(
                 if PAIRS:
                     # G only: dG's sums come from the pair kernel, d(C B^T) from its head sums
                     dx_acc, ddt_acc = pair_source_step(
-                        dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
-                        row_tile, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT)
+                        token_rows(dy, b, row_tile, h, BLOCK_T, P, LOAD_LAT), dA_cumsum, seq_idx,
+                        scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t, row_tile, pos_t, seq_t,
+                        dA_t, dt_t, BLOCK_T, HAS_SEQ_IDX, op, LOAD_LAT)
                 else:
                     c_i = token_rows(C, b, row_tile, g, BLOCK_T, N)
                     dy_i = token_rows(dy, b, row_tile, h, BLOCK_T, P)
@@ -531,28 +544,31 @@ def bwd_token_states_kernel(
     seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
     dB: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
     dC: ct.IndexedWithInt64,            # (splits, batch, seqlen, ngroups, dstate) float32
-    state_ddt: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32: the states'
-    state_ddA: ct.IndexedWithInt64,     # terms of ddt and ddA, for bwd_token_dx_kernel
+    state_ddt: ct.IndexedWithInt64,     # (SLICES, batch, nheads, nchunks, CHUNK) float32: the
+    state_ddA: ct.IndexedWithInt64,     # states' terms of ddt and ddA per dstate slice, for
+                                        # bwd_token_dx_kernel
     dS: ct.IndexedWithInt64,            # (batch, nchunks, nheads, headdim, dstate); unread
                                         # unless WITH_STATES
-    ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T) float32;
-                                        # unwritten unless WITH_STATES
+    ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T * SLICES)
+                                        # float32; unwritten unless WITH_STATES
     dcb_parts: ct.IndexedWithInt64,     # (pair splits, batch, nchunks, ngroups, CHUNK, CHUNK)
     heads_per_group: int,
     heads_per_block: int,
     CHUNK: ConstInt,
     BLOCK_T: ConstInt,
     P: ConstInt,
-    N: ConstInt,
+    N: ConstInt,                        # the dstate columns of one slice
     HAS_SEQ_IDX: ConstBool,
     BF16_OPERANDS: ConstBool,
     WITH_STATES: ConstBool,
     LOAD_LAT: ConstInt,
+    SLICES: ConstInt,                   # dstate slices, one per block (STATES_SLICES)
 ):
     splits = heads_per_group // heads_per_block
     head_blocks = dB.shape[3] * splits
-    hblock = ct.bid(0) % head_blocks
-    tile = ct.bid(0) // head_blocks
+    k = ct.bid(0) % SLICES                          # the slice: slices fastest
+    hblock = (ct.bid(0) // SLICES) % head_blocks
+    tile = ct.bid(0) // (SLICES * head_blocks)
     b = ct.bid(1)
     g, split = hblock // splits, hblock % splits
     first_head = g * heads_per_group + split * heads_per_block
@@ -563,21 +579,22 @@ def bwd_token_states_kernel(
     if t >= valid:
         # past the sequence: ddA_tiles' zeros here, ddt's and ddA's in bwd_token_dx_kernel
         if WITH_STATES:
-            for k in range(heads_per_block):
-                ct.store(ddA_tiles, (b, first_head + k, c, t), ct.zeros((), dtype=ct.float32))
+            for i in range(heads_per_block):
+                ct.store(ddA_tiles, (b, first_head + i, c, t * SLICES + k),
+                         ct.zeros((), dtype=ct.float32))
     else:
-        c_t = token_rows(C, b, tile, g, BLOCK_T, N, LOAD_LAT)
-        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT)
+        c_t = token_rows(C, b, tile, g, BLOCK_T, N, LOAD_LAT, k)
+        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT, k)
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
         dB_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
         dC_acc = ct.zeros((BLOCK_T, N), dtype=ct.float32)
-        for k in range(heads_per_block):                # the group's heads, in order
-            h = first_head + k
+        for i in range(heads_per_block):                # the group's heads, in order
+            h = first_head + i
             dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
             dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
             # Carried in, for the rows: dy @ entry gives dC's term and (read through C) ddA's.
             dC_acc, grad_dA = carried_terms(entry_states, seq_idx, dy_t, c_t, dA_t, dC_acc, b, c,
-                                            h, tile, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op)
+                                            h, tile, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op, k)
             grad_dt = ct.zeros((BLOCK_T,), dtype=ct.float32)
             if WITH_STATES:
                 # Through the chunk's own state: x dS, for dB and for the write weights' dv.
@@ -587,14 +604,24 @@ def bwd_token_states_kernel(
                 x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
                 dB_acc, grad_dt, grad_dA, _ = own_state_terms(
                     dS, ddA_tiles, x_t, b_t, decay, v, dB_acc, grad_dA, b, c, h, t, BLOCK_T, P,
-                    N, op)
-            ct.store(state_ddt, (b, h, c, t), ct.reshape(grad_dt, (1, 1, 1, BLOCK_T)))
-            ct.store(state_ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+                    N, op, k, SLICES)
+            ct.store(state_ddt, (k, b, h, c, t), ct.reshape(grad_dt, (1, 1, 1, 1, BLOCK_T)))
+            ct.store(state_ddA, (k, b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, 1, BLOCK_T)))
         if split == 0:
             dB_acc, dC_acc = group_quadratic(dcb_parts, B, C, dB_acc, dC_acc, b, c, g, t, valid,
-                                             TILES, BLOCK_T, N, op, LOAD_LAT)
-        ct.store(dB, (split, b, tile, g, 0), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
-        ct.store(dC, (split, b, tile, g, 0), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
+                                             TILES, BLOCK_T, N, op, LOAD_LAT, k)
+        ct.store(dB, (split, b, tile, g, k), ct.reshape(dB_acc, (1, 1, BLOCK_T, 1, N)))
+        ct.store(dC, (split, b, tile, g, k), ct.reshape(dC_acc, (1, 1, BLOCK_T, 1, N)))
+
+
+def states_term(terms, b, h, c, t, BLOCK_T, SLICES):
+    """Token tile t of chunk c, head h, of ``bwd_token_states_kernel``'s (SLICES, batch, nheads,
+    nchunks, CHUNK) per-slice terms, its dstate slices added in order: (BLOCK_T,)."""
+    acc = ct.reshape(ct.load(terms, (0, b, h, c, t), shape=(1, 1, 1, 1, BLOCK_T)), (BLOCK_T,))
+    for k in range(1, SLICES):
+        acc = acc + ct.reshape(ct.load(terms, (k, b, h, c, t), shape=(1, 1, 1, 1, BLOCK_T)),
+                               (BLOCK_T,))
+    return acc
 
 
 def dx_zero_tile(ddt, ddA, dD, b, h, c, t, tile, zero, P, WITH_SKIP):
@@ -606,9 +633,16 @@ def dx_zero_tile(ddt, ddA, dD, b, h, c, t, tile, zero, P, WITH_SKIP):
         ct.store(dD, (b, tile, h, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
 
 
+def skip_partial(dD, dy_t, x_t, b, tile, h, P):
+    """dD's partial of token tile ``tile`` for head h (out = y + D x): the tile's sum of dy x."""
+    ct.store(dD, (b, tile, h, 0), ct.reshape(
+        ct.sum(dy_t.astype(ct.float32) * x_t.astype(ct.float32), axis=0), (1, 1, 1, P)))
+
+
 def dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS,
                  D, dD, scores, cols, rows, b, h, g, c, t, tile, valid, pos_t, seq_t, CHUNK,
-                 BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT):
+                 BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT,
+                 SLICES):
     """``bwd_token_dx_kernel``'s work for one head h of token tile t (chunk c): dx, ddt and ddA
     of the tile's tokens, and dD's partial, written."""
     TILES = CHUNK // BLOCK_T
@@ -619,13 +653,14 @@ def dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, 
     ddt_acc = ct.zeros((BLOCK_T,), dtype=ct.float32)
     for i in range(t, valid):
         dx_acc, ddt_acc = pair_source_step(
-            dy, dA_cumsum, seq_idx, scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t,
-            c * TILES + i, pos_t, seq_t, dA_t, dt_t, BLOCK_T, P, HAS_SEQ_IDX, op, LOAD_LAT)
+            token_rows(dy, b, c * TILES + i, h, BLOCK_T, P, LOAD_LAT), dA_cumsum, seq_idx,
+            scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t, c * TILES + i, pos_t, seq_t, dA_t,
+            dt_t, BLOCK_T, HAS_SEQ_IDX, op, LOAD_LAT)
     # ddA: the states' terms (carried in, own state), minus the column sums of dG G (dt
     # times ddt's), plus the row sums
-    grad_dA = pair_row_sums(rows, chunk_tokens(state_ddA, b, h, c, t, BLOCK_T), ddt_acc, dt_t,
-                            b, h, c, t, BLOCK_T)
-    ddt_acc = ddt_acc + chunk_tokens(state_ddt, b, h, c, t, BLOCK_T)
+    grad_dA = pair_row_sums(rows, states_term(state_ddA, b, h, c, t, BLOCK_T, SLICES), ddt_acc,
+                            dt_t, b, h, c, t, BLOCK_T)
+    ddt_acc = ddt_acc + states_term(state_ddt, b, h, c, t, BLOCK_T, SLICES)
     if WITH_STATES:
         # through the chunk's own state: dx gets v (B dS^T)
         _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
@@ -636,13 +671,55 @@ def dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, 
         dx_acc = dx_acc + b_ds * v[:, None]
     if WITH_SKIP:
         # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
-        dy_f32 = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
-        x_f32 = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT).astype(ct.float32)
+        dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
         d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
-        dx_acc = dx_acc + dy_f32 * d_h[None, :]
-        ct.store(dD, (b, tile, h, 0), ct.reshape(ct.sum(dy_f32 * x_f32, axis=0), (1, 1, 1, P)))
+        dx_acc = dx_acc + dy_t.astype(ct.float32) * d_h[None, :]
+        skip_partial(dD, dy_t, token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT), b, tile, h, P)
     ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
     ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
+    ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+
+
+def dx_head_tile_loads_first(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                             state_ddA, dS, D, dD, scores, cols, rows, b, h, g, c, t, tile,
+                             valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
+                             WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES):
+    """``dx_head_tile``'s work in another order (DX_LOADS_FIRST): every load that does not wait
+    for the loop over row tiles -- the states launch's terms, B and dS for v (B dS^T), D, the
+    tile's own dy -- is issued before the loop, and the terms they give start dx's
+    accumulator, so that a block waits on memory once rather than once per step. The diagonal
+    step (i = t) takes the tile's dy loaded for D dy."""
+    TILES = CHUNK // BLOCK_T
+    dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
+    dt_t = chunk_tokens(dt_out, b, h, c, t, BLOCK_T)
+    dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
+    from_states_dA = states_term(state_ddA, b, h, c, t, BLOCK_T, SLICES)
+    from_states_dt = states_term(state_ddt, b, h, c, t, BLOCK_T, SLICES)
+    dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
+    if WITH_STATES:
+        # through the chunk's own state: dx gets v (B dS^T)
+        _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
+                                 CHUNK, BLOCK_T, HAS_SEQ_IDX)
+        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
+        ds = head_state(dS, b, c, h, P, N).astype(op)
+        dx_acc = ct.mma(b_t, ct.transpose(ds), dx_acc) * v[:, None]
+    if WITH_SKIP:
+        # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
+        d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+        dx_acc = dx_acc + dy_t.astype(ct.float32) * d_h[None, :]
+        skip_partial(dD, dy_t, token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT), b, tile, h, P)
+    # Tile t as the source tokens s: G for dx, the pair kernel's sums for ddt.
+    dx_acc, ddt_acc = pair_source_step(
+        dy_t, dA_cumsum, seq_idx, scores, cols, dx_acc, ct.zeros((BLOCK_T,), dtype=ct.float32),
+        b, h, c, g, t, t, tile, pos_t, seq_t, dA_t, dt_t, BLOCK_T, HAS_SEQ_IDX, op, LOAD_LAT)
+    for i in range(t + 1, valid):
+        dx_acc, ddt_acc = pair_source_step(
+            token_rows(dy, b, c * TILES + i, h, BLOCK_T, P, LOAD_LAT), dA_cumsum, seq_idx,
+            scores, cols, dx_acc, ddt_acc, b, h, c, g, i, t, c * TILES + i, pos_t, seq_t, dA_t,
+            dt_t, BLOCK_T, HAS_SEQ_IDX, op, LOAD_LAT)
+    grad_dA = pair_row_sums(rows, from_states_dA, ddt_acc, dt_t, b, h, c, t, BLOCK_T)
+    ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
+    ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc + from_states_dt, (1, 1, 1, BLOCK_T)))
     ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
 
 
@@ -657,8 +734,8 @@ def bwd_token_dx_kernel(
     dx: ct.IndexedWithInt64,            # (batch, seqlen, nheads, headdim)
     ddt: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32
     ddA: ct.IndexedWithInt64,           # (batch, nheads, nchunks, CHUNK) float32, natural units
-    state_ddt: ct.IndexedWithInt64,     # bwd_token_states_kernel's terms of ddt and ddA
-    state_ddA: ct.IndexedWithInt64,
+    state_ddt: ct.IndexedWithInt64,     # bwd_token_states_kernel's terms of ddt and ddA,
+    state_ddA: ct.IndexedWithInt64,     # (SLICES, batch, nheads, nchunks, CHUNK) float32
     dS: ct.IndexedWithInt64,            # unread unless WITH_STATES
     D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
     dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials
@@ -676,6 +753,8 @@ def bwd_token_dx_kernel(
     WITH_SKIP: ConstBool,
     LOAD_LAT: ConstInt,
     HEADS: ConstInt,                    # heads per block, of one group, one after the other
+    LOADS_FIRST: ConstBool,             # dx_head_tile_loads_first's order
+    SLICES: ConstInt,                   # the states launch's dstate slices (its terms' first axis)
 ):
     # One head per block (the default) is written without the loop over heads: as a loop of one
     # it compiles for sm_90 to more instructions (2240 against 2208) and a third more shared
@@ -705,16 +784,31 @@ def bwd_token_dx_kernel(
         pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
         if HEADS == 1:
-            dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
-                         state_ddA, dS, D, dD, scores, cols, rows, b, first_head, g, c, t,
-                         tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
-                         WITH_STATES, WITH_SKIP, LOAD_LAT)
+            if LOADS_FIRST:
+                dx_head_tile_loads_first(
+                    dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS,
+                    D, dD, scores, cols, rows, b, first_head, g, c, t, tile, valid, pos_t, seq_t,
+                    CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP,
+                    LOAD_LAT, SLICES)
+            else:
+                dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                             state_ddA, dS, D, dD, scores, cols, rows, b, first_head, g, c, t,
+                             tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
+                             WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES)
         else:
             for k in range(HEADS):                  # the heads, in order
-                dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
-                             state_ddA, dS, D, dD, scores, cols, rows, b, first_head + k, g, c,
-                             t, tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX,
-                             op, WITH_STATES, WITH_SKIP, LOAD_LAT)
+                if LOADS_FIRST:
+                    dx_head_tile_loads_first(
+                        dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                        state_ddA, dS, D, dD, scores, cols, rows, b, first_head + k, g, c, t,
+                        tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
+                        WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES)
+                else:
+                    dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                                 state_ddA, dS, D, dD, scores, cols, rows, b, first_head + k, g,
+                                 c, t, tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N,
+                                 HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT,
+                                 SLICES)
 
 
 @ct.kernel
@@ -845,17 +939,42 @@ def fuse_states(dstate, tokens=None, pairs=False):
     return not (tile_size(dstate) == 256 and long)
 
 
-def dx_hints(dstate):
-    """(DX_OCCUPANCY, DX_WORKER_WARPS), ``bwd_token_dx_kernel``'s launch hints with SPLIT_DX:
-    four blocks per multiprocessor at the compiler's warp count where dstate's tile is up to
-    128, two blocks of eight worker warps beyond. A training step's scan took less time with the
-    first at the 2.7B and 8B shapes, 16K x dstate 128 and 4K x dstate 64, and with the second at
-    64K x dstate 256, in every run that timed both
-    (``tests/benchmark/results/bwd_split_dx_h200.csv``, ``bwd_token_variants_h200.csv``); at the
-    130M shape (host-bound, eager) the runs disagree.
+def dx_config(dstate, heads_per_group):
+    """``bwd_token_dx_kernel``'s keys with SPLIT_DX (DX_OCCUPANCY, DX_WORKER_WARPS,
+    DX_HEADS_PER_BLOCK, DX_LOADS_FIRST), by dstate's tile:
+        up to 128   two heads of a group per block (one where a group's heads are odd in
+                    number), two blocks per multiprocessor at the compiler's warp count, the
+                    loads that do not wait for the loop issued before it
+                    (``dx_head_tile_loads_first``). A training step's scan took 4-5% less time
+                    than with one head per block at four blocks in the loop's order (the rule
+                    before) at the 2.7B, 8B and 130M training shapes and 16K x dstate 128; the
+                    two heads alone or the loads first alone saved less
+                    (``tests/benchmark/results/bwd_dx_slices_h200.csv``). The eager small shapes
+                    (the 4K prefill, 4K x dstate 64) moved more between rounds than that.
+        256 and up  one head per block, two blocks of eight worker warps, the loads in the loop's
+                    order: at 64K x dstate 256 the rule above took 13% more time, and one head at
+                    four blocks 10% more (same file).
     Dstate 512 is untimed and goes with 256. The kernel holds no dstate-wide accumulator, so
     its registers grow with dstate only through B's tile and dS (``python -m ops.tools.sass``)."""
-    return (2, 8) if tile_size(dstate) >= 256 else (4, None)
+    if tile_size(dstate) >= 256:
+        return dict(DX_OCCUPANCY=2, DX_WORKER_WARPS=8, DX_HEADS_PER_BLOCK=1, DX_LOADS_FIRST=False)
+    two = heads_per_group % 2 == 0
+    return dict(DX_OCCUPANCY=2 if two else 4, DX_WORKER_WARPS=None,
+                DX_HEADS_PER_BLOCK=2 if two else 1, DX_LOADS_FIRST=True)
+
+
+def states_slices(dstate):
+    """STATES_SLICES, ``bwd_token_states_kernel``'s blocks per token tile and head block: dstate
+    cut into slices of 128 columns (one up to 128). Its block holds (BLOCK_T, columns) dB and dC
+    accumulators and per head a (headdim, columns) entry state and dS, so at dstate 256 whole
+    only one block of eight warps fits on a multiprocessor, waiting on its loads. Two slices took
+    a 64K x dstate 256 training step's scan from 17.6 to 12.2 ms, four 13% more than two; at
+    dstate 128 two slices of 64 took 9-12% more time at the 2.7B, 8B and 130M training shapes
+    and 16K tokens (``tests/benchmark/results/bwd_dx_slices_h200.csv``; the sliced launch's
+    counters in ``ncu_fwd_bwd_h200.txt``). The slices share nothing but the tile's dy and x, read
+    once per slice; ddt's and ddA's terms through the states become one partial per slice, added
+    in order by the dx launch."""
+    return max(1, tile_size(dstate) // 128)
 
 
 def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1, seqlen=None,
@@ -871,12 +990,11 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
     (``PAIR_OCCUPANCY``) and the compiler's warp count (PAIR_WORKER_WARPS None); it forms C B^T
     itself, so SCORES_IN_MEMORY then has no effect.
     SPLIT_DX (``SPLIT_DX_DEFAULT``, module docstring "Split dx"): after the pair kernel, the
-    token work in two launches. The dx launch at ``dx_hints``, one head per block
-    (DX_HEADS_PER_BLOCK 1; several heads of one group per block, one after the other, are tested
-    on the interpreter and compiled, but untimed). The states launch takes the token kernel's
-    tiles, heads per block and hints (occupancy, num_worker_warps): one block of eight worker
-    warps (two blocks of four took 10-25% more time at the 2.7B and 8B shapes, 16K x dstate 128
-    and 64K x dstate 256: ``bwd_split_dx_h200.csv``).
+    token work in two launches. The dx launch as ``dx_config`` says (heads per block, hints, the
+    order of its loads). The states launch takes the token kernel's tiles, heads per block and
+    hints (occupancy, num_worker_warps): one block of eight worker warps (two blocks of four
+    took 10-25% more time at the 2.7B and 8B shapes, 16K x dstate 128 and 64K x dstate 256:
+    ``bwd_split_dx_h200.csv``), one per ``states_slices`` slice of dstate.
     LOAD_LAT 0: no latency hint on the tile loads (3, 6 and 10 took longer at the 2.7B shape).
     SCORES_IN_MEMORY where dstate's tile is 128 (``scores_in_memory``), else off: the token
     kernel forms each head's C B^T tiles itself."""
@@ -894,7 +1012,6 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
         phb = default_heads_per_block(nheads=nheads, ngroups=ngroups,
                                       blocks_per_head_block=batch * pairs,
                                       blocks_per_sm=PAIR_BLOCKS_PER_SM)
-    dx_occupancy, dx_warps = dx_hints(dstate)
     return dict(BLOCK_T=bt, HEADS_PER_BLOCK=hb, ENTRY_BLOCK_P=min(tile_size(headdim), 128),
                 ENTRY_BLOCK_N=min(tile_size(dstate), 128), INDEX64=False, occupancy=None,
                 num_worker_warps=WORKER_WARPS,
@@ -903,10 +1020,10 @@ def default_config(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, batch=1,
                 SCORES_IN_MEMORY=scores_in_memory(dstate), PAIRS=PAIRS_DEFAULT,
                 PAIR_HEADS_PER_BLOCK=phb, PAIR_OCCUPANCY=PAIR_OCCUPANCY, PAIR_WORKER_WARPS=None,
                 LOAD_LAT=0, SPLIT_DX=SPLIT_DX_DEFAULT and PAIRS_DEFAULT,
-                DX_OCCUPANCY=dx_occupancy, DX_WORKER_WARPS=dx_warps, DX_HEADS_PER_BLOCK=1)
+                **dx_config(dstate, nheads // ngroups), STATES_SLICES=states_slices(dstate))
 
 
-FLAGS = ("PAIRS", "SPLIT_DX", "FUSE_STATES", "SCORES_IN_MEMORY", "INDEX64")
+FLAGS = ("PAIRS", "SPLIT_DX", "FUSE_STATES", "SCORES_IN_MEMORY", "INDEX64", "DX_LOADS_FIRST")
 
 
 def launch_hints(cfg, prefix):
@@ -948,6 +1065,11 @@ def resolved_config(config, **shape):
         cfg["SPLIT_DX"] = SPLIT_DX_DEFAULT and cfg["PAIRS"]
     elif cfg["SPLIT_DX"] and not cfg["PAIRS"]:
         raise ValueError("SPLIT_DX needs the pair kernel (PAIRS=True)")
+    slices, n = cfg["STATES_SLICES"], tile_size(shape["dstate"])
+    if (isinstance(slices, bool) or not isinstance(slices, int) or slices < 1
+            or slices & (slices - 1) or n // slices < 16):
+        raise ValueError(f"STATES_SLICES must be a power of two leaving at least 16 of the {n} "
+                         f"dstate columns to a slice, got {slices!r}")
     for prefix in ("PAIR_", "DX_"):
         launch_hints(cfg, prefix)
     return cfg
@@ -961,12 +1083,13 @@ def pairs_per_chunk(tiles):
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     """Variants worth timing (the default first, at most 16): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
-    group's heads, the compiler's worker warps (at its own occupancy and at two blocks per
-    multiprocessor), smaller dentry tiles, the chunk states' gradients the other way than the
-    default (in a kernel of their own, or fused), the token kernel alone (no pair kernel) with
-    C B^T read from memory or formed per head (alone and with one head per block) and at the
-    default's, the pair kernel with the token work fused (SPLIT_DX the other way), the dx
-    launch at the other ``dx_hints``, and the pair kernel's heads per block halved and
+    group's heads, the compiler's worker warps at two blocks per multiprocessor, smaller dentry
+    tiles, the chunk states' gradients the other way than the default (in a kernel of their
+    own, or fused), the token kernel alone (no pair kernel) with C B^T read from memory or
+    formed per head (alone and with one head per block) and at the default's, the pair kernel
+    with the token work fused (SPLIT_DX the other way), the dx launch as ``dx_config`` sets it
+    for the other side of dstate 128, the states launch over the other number of dstate slices
+    (one, or two where the default has one), and the pair kernel's heads per block halved and
     doubled."""
     base = default_config(chunk_size=chunk_size, headdim=headdim, dstate=dstate, nheads=nheads,
                           ngroups=ngroups, **shape)
@@ -977,8 +1100,7 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     per_group = nheads // ngroups
     for hb in sorted({1, max(1, per_group // 2), per_group} - {base["HEADS_PER_BLOCK"]}):
         configs.append({**base, "HEADS_PER_BLOCK": hb})
-    configs += [{**base, "num_worker_warps": None},
-                {**base, "num_worker_warps": None, "occupancy": 2}]
+    configs.append({**base, "num_worker_warps": None, "occupancy": 2})
     configs.append({**base, "ENTRY_BLOCK_P": min(base["ENTRY_BLOCK_P"], 32),
                     "ENTRY_BLOCK_N": min(base["ENTRY_BLOCK_N"], 64)})
     configs.append({**base, "FUSE_STATES": not base["FUSE_STATES"]})
@@ -989,12 +1111,15 @@ def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     other = not base["SCORES_IN_MEMORY"]
     configs += [alone, {**alone, "SCORES_IN_MEMORY": other},
                 {**alone, "SCORES_IN_MEMORY": other, "HEADS_PER_BLOCK": 1}]
-    # with the pair kernel: the token work fused, or dx at the other hints; the pair kernel's
-    # heads per block halved and doubled
+    # with the pair kernel: the token work fused, or split with the dx launch or the states
+    # launch the other way; the pair kernel's heads per block halved and doubled
     pairs = {**base, "PAIRS": True}
     configs.append({**pairs, "SPLIT_DX": not base["SPLIT_DX"]})
-    occ, warps = (4, None) if dx_hints(dstate) == (2, 8) else (2, 8)
-    configs.append({**pairs, "SPLIT_DX": True, "DX_OCCUPANCY": occ, "DX_WORKER_WARPS": warps})
+    split = {**pairs, "SPLIT_DX": True}
+    configs.append({**split, **dx_config(128 if tile_size(dstate) >= 256 else 256, per_group)})
+    slices = 1 if base["STATES_SLICES"] > 1 else 2
+    if tile_size(dstate) // slices >= 16:
+        configs.append({**split, "STATES_SLICES": slices})
     phb = base["PAIR_HEADS_PER_BLOCK"]
     for other_phb in (phb // 2, phb * 2):
         if other_phb in group_divisors(nheads, ngroups):
@@ -1120,9 +1245,10 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     ddA = new_output(dt_out.shape, torch.float32, device, poison)
     tiles = nchunks * (chunk_size // bt)
     ddA_tiles = dD_parts = None
-    if dS is not None:
-        ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt), torch.float32, device,
-                               poison)
+    slices = cfg["STATES_SLICES"] if cfg["SPLIT_DX"] else 1
+    if dS is not None:          # sum(dv v) per token tile (and dstate slice of the states launch)
+        ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt * slices), torch.float32,
+                               device, poison)
     if D is not None:
         dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
         D = (D[:, None].expand(nheads, headdim) if D.dim() == 1 else D).float().contiguous()
@@ -1158,25 +1284,25 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
     if cfg["SPLIT_DX"]:
         # two launches after the pair kernel: the states' products and dB, dC over each block's
-        # heads; then dx, ddt and ddA with one head per block
-        state_ddt = new_output(dt_out.shape, torch.float32, device, poison)
-        state_ddA = new_output(dt_out.shape, torch.float32, device, poison)
+        # heads (a block per dstate slice); then dx, ddt and ddA with DX_HEADS_PER_BLOCK heads
+        state_ddt = new_output((slices, *dt_out.shape), torch.float32, device, poison)
+        state_ddA = new_output((slices, *dt_out.shape), torch.float32, device, poison)
         dcb_parts, cols, rows = pair_outputs
         ds_arg = stand_in(dS, 5)                    # one stand-in for both launches
         states_args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dB_parts, dC_parts,
                        state_ddt, state_ddA, ds_arg, stand_in(ddA_tiles, 4), dcb_parts,
                        nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
-                       tile_size(dstate), seq_idx is not None, bf16, dS is not None,
-                       cfg["LOAD_LAT"])
+                       tile_size(dstate) // slices, seq_idx is not None, bf16, dS is not None,
+                       cfg["LOAD_LAT"], slices)
         states_kernel = with_hints(fit_index_width(bwd_token_states_kernel, states_args,
                                                    cfg["INDEX64"]), cfg)
-        before = before + (Plan(grid, states_kernel, states_args,
+        before = before + (Plan((grid[0] * slices, batch), states_kernel, states_args,
                                 (dB_parts, dC_parts, state_ddt, state_ddA, ddA_tiles)),)
         args = (dy, x, B, dt_out, dA_cumsum, seq_arg, dx, ddt, ddA, state_ddt, state_ddA,
                 ds_arg, stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows,
                 nheads // ngroups, chunk_size, bt, tile_size(headdim), tile_size(dstate),
                 seq_idx is not None, bf16, dS is not None, D is not None, cfg["LOAD_LAT"],
-                cfg["DX_HEADS_PER_BLOCK"])
+                cfg["DX_HEADS_PER_BLOCK"], cfg["DX_LOADS_FIRST"], slices)
         kernel = with_hints(fit_index_width(bwd_token_dx_kernel, args, cfg["INDEX64"]),
                             launch_hints(cfg, "DX_"))
         grid = (tiles * nheads // cfg["DX_HEADS_PER_BLOCK"], batch)
