@@ -96,6 +96,7 @@ from ops.kernels.backward.bwd_compute_out import bwd_compute_out_plan
 from ops.kernels.backward.bwd_compute_out import resolved_config as compute_out_resolved
 from ops.kernels.backward.bwd_pass_state import bwd_pass_state
 from ops.kernels.backward.bwd_pass_state import default_config as pass_state_config
+from ops.kernels.backward.bwd_pass_state import walk_config as pass_state_walk
 from ops.tuning.compute_chunk import kernel_chunk
 from ops.tuning.configs import resolve_config
 from ops.runtime.launch import run
@@ -109,11 +110,12 @@ INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
 BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
 # The chain's own choices over a backward kernel's default config (a kernel's default is the
-# kernel as first written, for its standalone use): the pass over the states forms dentry
-# itself (``ops/kernels/backward/bwd_pass_state.py``'s FUSE_ENTRY: less time per training step at
-# chunks 64 and 128, ``tests/benchmark/results/bwd_fuse_entry_h200.csv``, and no dentry buffer).
-# A config given for the kernel is taken over these.
-BACKWARD_DEFAULTS = {"bwd_pass_state": {"FUSE_ENTRY": True}}
+# kernel as first written, for its standalone use), by shape: the pass over the states forms
+# dentry itself (``ops/kernels/backward/bwd_pass_state.py``'s FUSE_ENTRY: less time per training
+# step at chunks 64 and 128, ``tests/benchmark/results/bwd_fuse_entry_h200.csv``, and no dentry
+# buffer), in narrower tiles where its default's are 128 columns wide (``walk_config``). A config
+# given for the kernel is taken over these.
+BACKWARD_DEFAULTS = {"bwd_pass_state": pass_state_walk}
 
 
 def entry_read_dtype(x_dtype, stored_dtype):
@@ -123,10 +125,12 @@ def entry_read_dtype(x_dtype, stored_dtype):
     return stored_dtype if stored_dtype in (x_dtype, torch.float32) else torch.float32
 
 
-def backward_config(configs, name):
-    """The config ``kernel_backward`` runs backward kernel ``name`` with: ``BACKWARD_DEFAULTS``'
-    keys, then those of ``configs[name]`` (a missing key: the kernel's default)."""
-    return {**BACKWARD_DEFAULTS.get(name, {}), **((configs or {}).get(name) or {})}
+def backward_config(configs, name, **shape):
+    """The config ``kernel_backward`` runs backward kernel ``name`` with at ``shape`` (headdim,
+    dstate, dtype: the entry states' as the kernels read them): ``BACKWARD_DEFAULTS``' keys for
+    the shape, then those of ``configs[name]`` (a missing key: the kernel's default)."""
+    chain = BACKWARD_DEFAULTS[name](**shape) if name in BACKWARD_DEFAULTS else {}
+    return {**chain, **((configs or {}).get(name) or {})}
 
 # The elementwise gate (and dD when the kernels do not run) runs over slices of at most this many
 # (token x head x headdim) elements: its float32 temporaries stay ~16 MB each instead of x's size
@@ -169,8 +173,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     out_cfg = compute_out_resolved(configs.get("bwd_compute_out"), **shape)
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
-    fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state"), pass_state_config(
-        headdim=headdim, dstate=dstate, dtype=entry_dtype))["FUSE_ENTRY"]
+    walk_shape = dict(headdim=headdim, dstate=dstate, dtype=entry_dtype)
+    fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state", **walk_shape),
+                                pass_state_config(**walk_shape))["FUSE_ENTRY"]
     dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
     width = nheads * headdim
     slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
@@ -394,9 +399,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     # from dy and C (FUSE_ENTRY, BACKWARD_DEFAULTS): no dentry buffer, no entry launch; with
     # FUSE_ENTRY=False compute_out's dentry launch runs first, and dentry is freed before the
     # token kernel's dx exists (see "Memory").
-    ps_config = backward_config(configs, "bwd_pass_state")
-    fuse_entry = resolve_config(ps_config, pass_state_config(
-        headdim=x.shape[3], dstate=B.shape[3], dtype=entry.dtype))["FUSE_ENTRY"]
+    walk_shape = dict(headdim=x.shape[3], dstate=B.shape[3], dtype=entry.dtype)
+    ps_config = backward_config(configs, "bwd_pass_state", **walk_shape)
+    fuse_entry = resolve_config(ps_config, pass_state_config(**walk_shape))["FUSE_ENTRY"]
     dentry = None
     if not fuse_entry:
         dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,

@@ -13,6 +13,8 @@ token launches, one test per statement, read from the H200 measurements committe
     bwd_token_variants_h200.csv  the split launches against the fused default of then
     bwd_dx_slices_h200.csv       the dx launch's heads per block, hints and load order, and the
                                  states launch's dstate slices, against the defaults
+    bwd_pass_state_tiles_h200.csv  the pass over the states' tiles and hints
+                                 (``bwd_pass_state.walk_config``), against the rule before
 
 Each file is one ``config_sweep.py --what step`` run (a training step's scan through
 ``kernel_forward`` and ``kernel_backward``; every variant timed in each round, its best round
@@ -229,3 +231,38 @@ def test_two_states_slices_at_dstate_256_one_below(dx_slices):
     for shape in TRAINING_128:
         more = dx_slices[(shape, SLICES(2))] / dx_slices[(shape, "default")] - 1
         assert 0.09 <= more < 0.12, (shape, more)
+
+
+# The pass over the states' tiles -------------------------------------------------------------------
+#   bwd_pass_state_tiles_h200.csv  the rule before ``walk_config`` (its "default": FUSE_ENTRY on
+#                                  64 x 128 tiles) against narrower tiles and hints, three shapes
+
+WALK = "bwd_pass_state:BLOCK_N=64,occupancy=2,LOAD_LAT=8"
+WALK_SHAPES = ("1x65536x80:256", "1x16384x80:128", "mamba2-2.7b-train")
+
+
+@pytest.fixture(scope="module")
+def walk():
+    return times("bwd_pass_state_tiles_h200.csv")
+
+
+def test_the_walk_in_narrower_tiles_at_two_blocks_takes_2_to_3_percent_less_time(walk):
+    for shape in WALK_SHAPES:
+        saved = 1 - walk[(shape, WALK)] / walk[(shape, "default")]
+        assert 0.02 <= saved < 0.03, (shape, saved)
+
+
+def test_what_the_walk_rule_did_not_take(walk):
+    """Without the two blocks, 64-column tiles 3-6% slower at 2.7B and 16K x dstate 128, at most
+    1.4% faster at 64K x dstate 256; 32 x 64 tiles at two blocks slower at all three; LOAD_LAT 8
+    alone within 0.1%."""
+    narrow = ("bwd_pass_state:BLOCK_N=64", "bwd_pass_state:BLOCK_N=64,LOAD_LAT=8")
+    for shape in WALK_SHAPES:
+        default = walk[(shape, "default")]
+        more = [walk[(shape, v)] / default - 1 for v in narrow]
+        if shape == "1x65536x80:256":
+            assert all(-0.015 < m < 0 for m in more), more
+        else:
+            assert all(0.025 < m < 0.06 for m in more), (shape, more)
+        assert walk[(shape, "bwd_pass_state:BLOCK_P=32,BLOCK_N=64,occupancy=2")] > default
+        assert abs(walk[(shape, "bwd_pass_state:LOAD_LAT=8")] / default - 1) < 0.001

@@ -115,17 +115,41 @@ def test_fused_entry_checks_its_inputs():
         bwd_pass_state(None, *args[1:])
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
-def test_fused_entry_compiles(arch):
-    """At a ~2.7B layer (80 heads of 64 x 128, one group), bf16, chunk 256."""
+@pytest.mark.parametrize("arch, walk", [(arch, False) for arch in ("sm_80", "sm_90", "sm_100")]
+                         + [("sm_90", True), ("sm_100", True)])
+def test_fused_entry_compiles(arch, walk):
+    """At a ~2.7B layer (80 heads of 64 x 128, one group), bf16, chunk 256; ``walk``: with
+    ``walk_config``'s keys, as the backward runs it."""
     from ops.tools.aot import compile_cubin
     meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
     bf = torch.bfloat16
+    config = mod.walk_config(headdim=64, dstate=128, dtype=bf) if walk else dict(FUSE_ENTRY=True)
     plan = bwd_pass_state_plan(None, meta(1, 80, 64, 128), meta(1, 64, 80, 64, 128, dt=bf),
                                meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32),
-                               config=dict(FUSE_ENTRY=True), ds_dtype=bf,
+                               config=config, ds_dtype=bf,
                                dy=meta(1, 16384, 80, 64, dt=bf), C=meta(1, 16384, 1, 128, dt=bf))
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
+def test_walk_config_narrows_only_128_column_tiles():
+    """The backward's keys: FUSE_ENTRY everywhere; 64-column tiles at two blocks per
+    multiprocessor with LOAD_LAT 8 only where the default tile is 128 columns wide (16-bit entry
+    states, dstate's tile 128 and up), nothing else changed; a caller's config still wins."""
+    from ops.backward import backward_config
+    narrowed = {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
+    for dtype in (torch.bfloat16, torch.float16):
+        for dstate in (100, 128, 200, 256, 512):          # dstate's tile 128 and up
+            assert mod.walk_config(headdim=64, dstate=dstate, dtype=dtype) == narrowed
+        for dstate in (16, 40, 64):
+            assert mod.walk_config(headdim=64, dstate=dstate, dtype=dtype) == {"FUSE_ENTRY": True}
+    assert mod.walk_config(headdim=64, dstate=256, dtype=torch.float32) == {"FUSE_ENTRY": True}
+    assert mod.walk_config(headdim=64, dstate=256, dtype=torch.bfloat16,
+                           states_dtype=torch.float32) == {"FUSE_ENTRY": True}
+    shape = dict(headdim=64, dstate=128, dtype=torch.bfloat16)
+    assert backward_config(None, "bwd_pass_state", **shape) == narrowed
+    assert backward_config({"bwd_pass_state": {"BLOCK_N": 32}}, "bwd_pass_state",
+                           **shape) == {**narrowed, "BLOCK_N": 32}
+    assert backward_config(None, "bwd_chunk_cumsum", **shape) == {}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])

@@ -33,7 +33,7 @@ forms each chunk's own state from x and B: no dentry buffer ((b, c, h, p, n) flo
 through this walk, whose step is then the backward's peak at chunk 128) and no entry launch, for
 a walk that does a product per chunk. It takes other inputs (dy and C instead of dentry), so the
 kernel's own default and search space keep the walk as first written, reading dentry;
-``ops/backward.py`` runs it with FUSE_ENTRY (``BACKWARD_DEFAULTS``): a training step's scan
+``ops/backward.py`` runs it with FUSE_ENTRY (``walk_config``): a training step's scan
 takes less time with it at chunks 64 and 128, little less at 256, and at the host-bound prefill
 shape the rounds differ more than that (``tests/benchmark/results/bwd_fuse_entry_h200.csv``;
 PERF_NOTES.md, "dentry formed in the pass").
@@ -125,6 +125,23 @@ def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
     bp, bn = state_tiles(headdim, dstate, states)
     return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
                 num_worker_warps=None, FUSE_ENTRY=False, ENTRY_BLOCK_T=64)
+
+
+def walk_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
+    """The keys ``ops/backward.py`` runs this kernel with over ``default_config`` (a caller's
+    config is taken over them): FUSE_ENTRY (module docstring), and where ``state_tiles`` gives
+    128-column tiles (16-bit entry states, dstate's tile 128 and up) 64-column tiles at two
+    blocks per multiprocessor with LOAD_LAT 8: twice the blocks of a walk that is latency-bound
+    on its chunk-by-chunk loads, two of them resident per multiprocessor. A training step's scan
+    took 2-3% less time at the 2.7B training shape, 16K x dstate 128 and 64K x dstate 256;
+    without the two blocks the 64-column tiles were 3-6% slower at the first two (at most 1.4%
+    faster at the third), 32 x 64 tiles at two blocks slower at all three, and LOAD_LAT 8 alone changed
+    nothing (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``). Narrower tiles (float32
+    entry states, dstate's tile 64 and below) are left as they are: untimed."""
+    tiles = default_config(headdim=headdim, dstate=dstate, dtype=dtype, states_dtype=states_dtype)
+    if tiles["BLOCK_N"] < 128:
+        return {"FUSE_ENTRY": True}
+    return {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
 
 
 def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
