@@ -19,9 +19,9 @@ inputs, one seeded output gradient):
 ``--variant KERNEL:KEY=VALUE[,KEY=VALUE...]`` (repeatable) gives that kernel a config: the keys
 given over the kernel's *untuned* default config for the shape (``ops/tuning/configs.py``'
 resolve_config: an unknown key is refused; for a backward kernel, with ``ops.backward``'s
-``BACKWARD_DEFAULTS`` over that default, as the backward runs it: the pass over the states
-forms dentry unless a variant says FUSE_ENTRY=false); values are ints, true/false (the flags)
-or None.
+``BACKWARD_DEFAULTS`` for the shape over that default, as the backward runs it: the pass over
+the states forms dentry unless a variant says FUSE_ENTRY=false, in ``walk_config``'s tiles and
+hints unless it names them); values are ints, true/false (the flags) or None.
 Every shape x chunk runs "default" (the committed table's tuned configs for the forward
 kernels, as a first call gets them with ``MAMBA2_CUTILE_AUTOTUNE=table``), on a GPU also
 "untuned" (every kernel's default config: ``MAMBA2_CUTILE_AUTOTUNE=0``, what a variant is set

@@ -184,7 +184,7 @@ def test_what_was_not_kept_was_slower(token_variants):
             (shape, SPLIT_AT[DX_TWO])], shape
 
 
-# The dx launch's heads and loads, the states launch's slices ---------------------------------------
+# The dx launch's heads and loads, the states launch's slices --------------------------------------
 #   bwd_dx_slices_h200.csv       the defaults (``dx_config``, ``states_slices``) against the rule
 #                                before them and each change alone, at seven shapes
 
@@ -233,7 +233,7 @@ def test_two_states_slices_at_dstate_256_one_below(dx_slices):
         assert 0.09 <= more < 0.12, (shape, more)
 
 
-# The pass over the states' tiles -------------------------------------------------------------------
+# The pass over the states' tiles ------------------------------------------------------------------
 #   bwd_pass_state_tiles_h200.csv  the rule before ``walk_config`` (its "default": FUSE_ENTRY on
 #                                  64 x 128 tiles) against narrower tiles and hints, three shapes
 

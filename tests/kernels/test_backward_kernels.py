@@ -372,6 +372,7 @@ UNFUSED = {"bwd_compute_out": dict(FUSE_STATES=False)}
 ENTRY_LAUNCH = {"bwd_pass_state": dict(FUSE_ENTRY=False)}
 PAIRS = {"bwd_compute_out": dict(PAIRS=True, BLOCK_T=16)}
 SPLIT_DX = {"bwd_compute_out": dict(SPLIT_DX=True)}
+SLICES = {"bwd_compute_out": dict(SPLIT_DX=True, STATES_SLICES=2)}   # dstate 32: two of 16
 
 
 @pytest.mark.parametrize("z, initial_states, dstate, ngroups, chunk, configs", [
@@ -380,10 +381,12 @@ SPLIT_DX = {"bwd_compute_out": dict(SPLIT_DX=True)}
     (False, False, 32, 2, 64, UNFUSED), (True, True, 32, 2, 64, UNFUSED),
     (False, False, 64, 1, 64, UNFUSED), (False, False, 64, 1, 16, ENTRY_LAUNCH),
     (False, False, 64, 1, 16, None), (True, True, 32, 2, 64, ENTRY_LAUNCH),
-    (False, False, 32, 1, 64, PAIRS), (True, True, 32, 2, 64, SPLIT_DX)],
+    (False, False, 32, 1, 64, PAIRS), (True, True, 32, 2, 64, SPLIT_DX),
+    (True, True, 32, 2, 64, SLICES)],
     ids=["no-z", "no-z-initial", "z", "z-initial", "no-z-scores-in-memory-g8", "no-z-unfused",
          "z-initial-unfused", "unfused-g1-chunk-states-peak", "chunk16-entry-launch-pass-peak",
-         "chunk16-entry-in-pass", "z-initial-entry-launch", "pairs-g1", "z-initial-split-dx"])
+         "chunk16-entry-in-pass", "z-initial-entry-launch", "pairs-g1", "z-initial-split-dx",
+         "z-initial-states-slices"])
 def test_peak_memory_follows_the_accounting(monkeypatch, z, initial_states, dstate, ngroups,
                                             chunk, configs):
     """The tensors alive at once in one backward (bf16, 4 chunks of 64, 8 heads of 32 x dstate,

@@ -418,8 +418,11 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, config=dict(DX_HEADS_PER_BLOCK=True))
     with pytest.raises(ValueError, match="DX_HEADS_PER_BLOCK"):
         bwd_compute_out_plan(**inputs, config=dict(DX_HEADS_PER_BLOCK=3))
-    for slices in (3, 4, 0, True):                  # dstate 32: at most two slices of 16
+    for slices in (3, 4, 0):                        # dstate 32: at most two slices of 16
         with pytest.raises(ValueError, match="STATES_SLICES must be a power of two"):
+            bwd_compute_out_plan(**inputs, config=dict(STATES_SLICES=slices))
+    for slices in (True, 2.0, None):
+        with pytest.raises(TypeError, match="STATES_SLICES must be an int"):
             bwd_compute_out_plan(**inputs, config=dict(STATES_SLICES=slices))
 
 

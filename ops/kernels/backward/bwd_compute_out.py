@@ -111,7 +111,7 @@ Split dx (SPLIT_DX, with the pair kernel: the default)
     partial sums, kept one per slice (the two buffers get a leading slice axis, ddA_tiles a
     tile per slice) and added in order by the dx launch and the host.
     The buffers it adds (``ops.backward.memory_accounting`` counts them): the two (slices, b, h,
-    c, CHUNK) float32 terms.
+    c, CHUNK) float32 terms, and ddA_tiles' last axis times the slices.
 
 dB and dC across the heads of a group (deterministic, no atomics)
     B and C are shared by the heads of a group, so their gradients are sums over those heads. A
@@ -137,7 +137,8 @@ Sizes
     loads pad with zeros and the stores drop the padding. The token kernel holds one head's
     (headdim, dstate) entry state and the (BLOCK_T, dstate) dB and dC accumulators: fine for the
     usual 64 x 128 at BLOCK_T = 64; beyond 64 x 256 (= 128 x 128) the default takes BLOCK_T =
-    32, and the largest sizes (256 x 512) compile but spill (they would want dstate slices).
+    32, and the largest sizes (256 x 512) compile but spill in the fused token kernel (the split
+    launches' states launch takes dstate in slices: "Split dx").
 
 Precision
     Every product accumulates in float32. C B^T and dG = dy x^T take the inputs as they are
@@ -756,9 +757,10 @@ def bwd_token_dx_kernel(
     LOADS_FIRST: ConstBool,             # dx_head_tile_loads_first's order
     SLICES: ConstInt,                   # the states launch's dstate slices (its terms' first axis)
 ):
-    # One head per block (the default) is written without the loop over heads: as a loop of one
-    # it compiles for sm_90 to more instructions (2240 against 2208) and a third more shared
-    # memory (44416 B against 33920: ``ops.tools.sass.sass_report``).
+    # One head per block (dx_config's at dstate 256 and up, or where a group's heads are odd) is
+    # written without the loop over heads: as a loop of one, its in-order path compiled for sm_90
+    # to more instructions (2240 against 2208) and a third more shared memory (44416 B against
+    # 33920: ``ops.tools.sass.sass_report``).
     if HEADS == 1:
         first_head = ct.bid(0) % x.shape[2]
         tile = ct.bid(0) // x.shape[2]
@@ -942,9 +944,9 @@ def fuse_states(dstate, tokens=None, pairs=False):
 def dx_config(dstate, heads_per_group):
     """``bwd_token_dx_kernel``'s keys with SPLIT_DX (DX_OCCUPANCY, DX_WORKER_WARPS,
     DX_HEADS_PER_BLOCK, DX_LOADS_FIRST), by dstate's tile:
-        up to 128   two heads of a group per block (one where a group's heads are odd in
-                    number), two blocks per multiprocessor at the compiler's warp count, the
-                    loads that do not wait for the loop issued before it
+        up to 128   two heads of a group per block at two blocks per multiprocessor (one head
+                    at four blocks where a group's heads are odd in number), at the compiler's
+                    warp count, the loads that do not wait for the loop issued before it
                     (``dx_head_tile_loads_first``). A training step's scan took 4-5% less time
                     than with one head per block at four blocks in the loop's order (the rule
                     before) at the 2.7B, 8B and 130M training shapes and 16K x dstate 128; the
@@ -953,7 +955,7 @@ def dx_config(dstate, heads_per_group):
                     (the 4K prefill, 4K x dstate 64) moved more between rounds than that.
         256 and up  one head per block, two blocks of eight worker warps, the loads in the loop's
                     order: at 64K x dstate 256 the rule above took 13% more time, and one head at
-                    four blocks 10% more (same file).
+                    four blocks 9-10% more (same file).
     Dstate 512 is untimed and goes with 256. The kernel holds no dstate-wide accumulator, so
     its registers grow with dstate only through B's tile and dS (``python -m ops.tools.sass``)."""
     if tile_size(dstate) >= 256:
@@ -971,9 +973,9 @@ def states_slices(dstate):
     a 64K x dstate 256 training step's scan from 17.6 to 12.2 ms, four 13% more than two; at
     dstate 128 two slices of 64 took 9-12% more time at the 2.7B, 8B and 130M training shapes
     and 16K tokens (``tests/benchmark/results/bwd_dx_slices_h200.csv``; the sliced launch's
-    counters in ``ncu_fwd_bwd_h200.txt``). The slices share nothing but the tile's dy and x, read
-    once per slice; ddt's and ddA's terms through the states become one partial per slice, added
-    in order by the dx launch."""
+    counters in ``ncu_fwd_bwd_h200.txt``). The slices share only inputs that span no dstate
+    column (dy, x, the pair kernel's d(C B^T) tiles, dA, dt), read once per slice; ddt's and ddA's
+    terms through the states become one partial per slice, added in order by the dx launch."""
     return max(1, tile_size(dstate) // 128)
 
 
@@ -1066,10 +1068,11 @@ def resolved_config(config, **shape):
     elif cfg["SPLIT_DX"] and not cfg["PAIRS"]:
         raise ValueError("SPLIT_DX needs the pair kernel (PAIRS=True)")
     slices, n = cfg["STATES_SLICES"], tile_size(shape["dstate"])
-    if (isinstance(slices, bool) or not isinstance(slices, int) or slices < 1
-            or slices & (slices - 1) or n // slices < 16):
-        raise ValueError(f"STATES_SLICES must be a power of two leaving at least 16 of the {n} "
-                         f"dstate columns to a slice, got {slices!r}")
+    if isinstance(slices, bool) or not isinstance(slices, int):
+        raise TypeError(f"STATES_SLICES must be an int, got {slices!r}")
+    if slices < 1 or slices & (slices - 1) or n // slices < 16:
+        raise ValueError(f"STATES_SLICES must be a power of two leaving at least 16 columns of "
+                         f"dstate's tile of {n} to a slice, got {slices}")
     for prefix in ("PAIR_", "DX_"):
         launch_hints(cfg, prefix)
     return cfg
@@ -1083,7 +1086,9 @@ def pairs_per_chunk(tiles):
 def search_space(*, chunk_size, headdim, dstate, nheads=1, ngroups=1, **shape):
     """Variants worth timing (the default first, at most 16): the other token tile (32 or 64),
     one head per block (per-head partials of dB and dC: more, smaller blocks), half and all of a
-    group's heads, the compiler's worker warps at two blocks per multiprocessor, smaller dentry
+    group's heads, the compiler's worker warps at two blocks per multiprocessor (at its own
+    occupancy it took over 1.2x the default's time at the three model training shapes:
+    ``tests/benchmark/results/bwd_pairs_h200.csv``), smaller dentry
     tiles, the chunk states' gradients the other way than the default (in a kernel of their
     own, or fused), the token kernel alone (no pair kernel) with C B^T read from memory or
     formed per head (alone and with one head per block) and at the default's, the pair kernel
@@ -1204,7 +1209,9 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
             then adds the gradients through each chunk's own state (``ops/kernels/backward/bwd_chunk_states.py``'s
             work): dx, dB, ddt_out and ddA_cumsum complete but for ddA_cumsum at each chunk's
             last token, whose term sum(dv v) per token tile is ddA_tiles (b, h, c, CHUNK /
-            BLOCK_T). Without dS, ddA_tiles is None.
+            BLOCK_T * slices): with SPLIT_DX one partial per token tile t and dstate slice k of
+            the states launch, at t * STATES_SLICES + k (one slice otherwise); its sum over the
+            last axis is the term. Without dS, ddA_tiles is None.
         D (h,) or (h, p): the skip out = y + D x. dx then includes D dy, and dD's partials are
             (b, token tiles, h, p) float32, each tile's sum of dy x (sum them over the first two
             axes, and over p for a 1-D D). Without D, None.

@@ -135,9 +135,10 @@ def walk_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
     on its chunk-by-chunk loads, two of them resident per multiprocessor. A training step's scan
     took 2-3% less time at the 2.7B training shape, 16K x dstate 128 and 64K x dstate 256;
     without the two blocks the 64-column tiles were 3-6% slower at the first two (at most 1.4%
-    faster at the third), 32 x 64 tiles at two blocks slower at all three, and LOAD_LAT 8 alone changed
-    nothing (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``). Narrower tiles (float32
-    entry states, dstate's tile 64 and below) are left as they are: untimed."""
+    faster at the third), 32 x 64 tiles at two blocks slower at all three, and LOAD_LAT 8
+    alone changed nothing (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``).
+    Narrower tiles (float32 entry states, dstate's tile 64 and below) are left as they are:
+    untimed."""
     tiles = default_config(headdim=headdim, dstate=dstate, dtype=dtype, states_dtype=states_dtype)
     if tiles["BLOCK_N"] < 128:
         return {"FUSE_ENTRY": True}
