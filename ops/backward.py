@@ -94,6 +94,7 @@ from ops.kernels.backward.bwd_chunk_states import bwd_chunk_states
 from ops.kernels.backward.bwd_chunk_states import default_config as chunk_states_config
 from ops.kernels.backward.bwd_compute_out import bwd_compute_out_plan
 from ops.kernels.backward.bwd_compute_out import resolved_config as compute_out_resolved
+from ops.kernels.backward.bwd_compute_out import launch_slices as compute_out_slices
 from ops.kernels.backward.bwd_pass_state import bwd_pass_state
 from ops.kernels.backward.bwd_pass_state import default_config as pass_state_config
 from ops.kernels.backward.bwd_pass_state import walk_config as pass_state_walk
@@ -199,7 +200,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
     token_parts = {"dD partials": batch * tiles * nheads * headdim * f32}
     # the states launch's dstate slices (SPLIT_DX): a ddA tile sum and a ddt and ddA term each
-    slices = out_cfg["STATES_SLICES"] if out_cfg["PAIRS"] and out_cfg["SPLIT_DX"] else 1
+    slices = compute_out_slices(out_cfg)
     if fused:
         token_parts["ddA_tiles"] = chunked // out_cfg["BLOCK_T"] * slices
     else:                                   # one-element tensors passed for dS and ddA_tiles

@@ -634,10 +634,25 @@ def dx_zero_tile(ddt, ddA, dD, b, h, c, t, tile, zero, P, WITH_SKIP):
         ct.store(dD, (b, tile, h, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
 
 
-def skip_partial(dD, dy_t, x_t, b, tile, h, P):
-    """dD's partial of token tile ``tile`` for head h (out = y + D x): the tile's sum of dy x."""
+def own_state_dx(B, dS, dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, g, c, tile, CHUNK,
+                 BLOCK_T, P, N, HAS_SEQ_IDX, op, LOAD_LAT):
+    """Token tile ``tile``'s (BLOCK_T, P) term of dx through chunk c's own state, for head h:
+    v (B dS^T) (v: ``own_state_weights``' write weights)."""
+    _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, c, CHUNK,
+                             BLOCK_T, HAS_SEQ_IDX)
+    b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
+    ds = head_state(dS, b, c, h, P, N).astype(op)
+    return ct.mma(b_t, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32)) * v[:, None]
+
+
+def skip_terms(D, dD, x, dx_acc, dy_t, b, tile, h, BLOCK_T, P, LOAD_LAT):
+    """The skip out = y + D x for head h's token tile ``tile``: dx_acc plus D dy, returned, and
+    dD's partial, the tile's sum of dy x, written."""
+    d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+    x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
     ct.store(dD, (b, tile, h, 0), ct.reshape(
         ct.sum(dy_t.astype(ct.float32) * x_t.astype(ct.float32), axis=0), (1, 1, 1, P)))
+    return dx_acc + dy_t.astype(ct.float32) * d_h[None, :]
 
 
 def dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS,
@@ -664,18 +679,13 @@ def dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, 
     ddt_acc = ddt_acc + states_term(state_ddt, b, h, c, t, BLOCK_T, SLICES)
     if WITH_STATES:
         # through the chunk's own state: dx gets v (B dS^T)
-        _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
-                                 CHUNK, BLOCK_T, HAS_SEQ_IDX)
-        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
-        ds = head_state(dS, b, c, h, P, N).astype(op)
-        b_ds = ct.mma(b_t, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32))
-        dx_acc = dx_acc + b_ds * v[:, None]
+        dx_acc = dx_acc + own_state_dx(B, dS, dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1],
+                                       b, h, g, c, tile, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
+                                       LOAD_LAT)
     if WITH_SKIP:
         # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
-        dy_t = token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT)
-        d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
-        dx_acc = dx_acc + dy_t.astype(ct.float32) * d_h[None, :]
-        skip_partial(dD, dy_t, token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT), b, tile, h, P)
+        dx_acc = skip_terms(D, dD, x, dx_acc, token_rows(dy, b, tile, h, BLOCK_T, P, LOAD_LAT),
+                            b, tile, h, BLOCK_T, P, LOAD_LAT)
     ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
     ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
     ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
@@ -699,16 +709,11 @@ def dx_head_tile_loads_first(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA,
     dx_acc = ct.zeros((BLOCK_T, P), dtype=ct.float32)
     if WITH_STATES:
         # through the chunk's own state: dx gets v (B dS^T)
-        _, v = own_state_weights(dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, c,
-                                 CHUNK, BLOCK_T, HAS_SEQ_IDX)
-        b_t = token_rows(B, b, tile, g, BLOCK_T, N, LOAD_LAT).astype(op)
-        ds = head_state(dS, b, c, h, P, N).astype(op)
-        dx_acc = ct.mma(b_t, ct.transpose(ds), dx_acc) * v[:, None]
+        dx_acc = own_state_dx(B, dS, dA_cumsum, dA_t, dt_t, seq_idx, seq_t, x.shape[1], b, h, g,
+                              c, tile, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op, LOAD_LAT)
     if WITH_SKIP:
         # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
-        d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
-        dx_acc = dx_acc + dy_t.astype(ct.float32) * d_h[None, :]
-        skip_partial(dD, dy_t, token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT), b, tile, h, P)
+        dx_acc = skip_terms(D, dD, x, dx_acc, dy_t, b, tile, h, BLOCK_T, P, LOAD_LAT)
     # Tile t as the source tokens s: G for dx, the pair kernel's sums for ddt.
     dx_acc, ddt_acc = pair_source_step(
         dy_t, dA_cumsum, seq_idx, scores, cols, dx_acc, ct.zeros((BLOCK_T,), dtype=ct.float32),
@@ -722,6 +727,23 @@ def dx_head_tile_loads_first(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA,
     ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
     ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc + from_states_dt, (1, 1, 1, BLOCK_T)))
     ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
+
+
+def dx_head(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS, D, dD,
+            scores, cols, rows, b, h, g, c, t, tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N,
+            HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES, LOADS_FIRST):
+    """One head's work in ``bwd_token_dx_kernel``: ``dx_head_tile_loads_first`` with
+    LOADS_FIRST, else ``dx_head_tile``."""
+    if LOADS_FIRST:
+        dx_head_tile_loads_first(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                                 state_ddA, dS, D, dD, scores, cols, rows, b, h, g, c, t, tile,
+                                 valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
+                                 WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES)
+    else:
+        dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA,
+                     dS, D, dD, scores, cols, rows, b, h, g, c, t, tile, valid, pos_t, seq_t,
+                     CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT,
+                     SLICES)
 
 
 @ct.kernel
@@ -786,31 +808,16 @@ def bwd_token_dx_kernel(
         pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
         if HEADS == 1:
-            if LOADS_FIRST:
-                dx_head_tile_loads_first(
-                    dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS,
+            dx_head(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt, state_ddA, dS,
                     D, dD, scores, cols, rows, b, first_head, g, c, t, tile, valid, pos_t, seq_t,
-                    CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP,
-                    LOAD_LAT, SLICES)
-            else:
-                dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
-                             state_ddA, dS, D, dD, scores, cols, rows, b, first_head, g, c, t,
-                             tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
-                             WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES)
+                    CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT,
+                    SLICES, LOADS_FIRST)
         else:
             for k in range(HEADS):                  # the heads, in order
-                if LOADS_FIRST:
-                    dx_head_tile_loads_first(
-                        dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
+                dx_head(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
                         state_ddA, dS, D, dD, scores, cols, rows, b, first_head + k, g, c, t,
                         tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N, HAS_SEQ_IDX, op,
-                        WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES)
-                else:
-                    dx_head_tile(dy, x, B, dt_out, dA_cumsum, seq_idx, dx, ddt, ddA, state_ddt,
-                                 state_ddA, dS, D, dD, scores, cols, rows, b, first_head + k, g,
-                                 c, t, tile, valid, pos_t, seq_t, CHUNK, BLOCK_T, P, N,
-                                 HAS_SEQ_IDX, op, WITH_STATES, WITH_SKIP, LOAD_LAT,
-                                 SLICES)
+                        WITH_STATES, WITH_SKIP, LOAD_LAT, SLICES, LOADS_FIRST)
 
 
 @ct.kernel
@@ -1078,6 +1085,12 @@ def resolved_config(config, **shape):
     return cfg
 
 
+def launch_slices(cfg):
+    """The dstate slices a resolved config's states launch runs (STATES_SLICES with SPLIT_DX;
+    without it there is no states launch, and one)."""
+    return cfg["STATES_SLICES"] if cfg["SPLIT_DX"] else 1
+
+
 def pairs_per_chunk(tiles):
     """The (row tile, column tile) pairs of a chunk's causal quadratic form: row >= column."""
     return tiles * (tiles + 1) // 2
@@ -1252,7 +1265,7 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     ddA = new_output(dt_out.shape, torch.float32, device, poison)
     tiles = nchunks * (chunk_size // bt)
     ddA_tiles = dD_parts = None
-    slices = cfg["STATES_SLICES"] if cfg["SPLIT_DX"] else 1
+    slices = launch_slices(cfg)
     if dS is not None:          # sum(dv v) per token tile (and dstate slice of the states launch)
         ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt * slices), torch.float32,
                                device, poison)
