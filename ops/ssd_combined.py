@@ -17,14 +17,12 @@ autograd itself.
 """
 import contextlib
 import functools
-import sys
 
 import torch
 
-from ops.tuning import autotune, compute_chunk
 from ops.inputs import check_values
 from ops.runtime import replay
-from ops.torch_op import EagerAutograd, forward, ssd_forward
+from ops.torch_op import EagerAutograd, forward, replay_key, ssd_forward
 from .checks import check_chunk_size, check_sizes
 
 BACKENDS = ("auto", "reference", "interpret", "cutile")
@@ -132,38 +130,14 @@ _NO_RECORDING = contextlib.nullcontext()
 _OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
-# Replay keys of eager calls made while a search may run (MAMBA2_CUTILE_AUTOTUNE=1), each with
-# the tuner it ran under. A key's first call may search, launching every candidate, so it is not
-# recorded; ops.forward memoises the answers per exact shape on that tuner, so from the key's
-# second call on nothing is searched, and the call is recorded, then replayed, as in the table
-# mode (a replayed call costs tens of microseconds of host time, a dispatched one hundreds).
-_SEARCHED = {}
-
-
 def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend):
     """(the replay key of an eager call, the autotuner it was made under), or (None, None)
-    where the call is not replayed (ops.runtime.replay): it may search for configs (a key's first call
-    in the search mode), or the outputs are poisoned (tests), or the options are of unusual
-    types (they are checked afresh). The autotuning mode and the compute chunk's
-    (ops/tuning/compute_chunk.py) are part of the key: switching either changes the launches."""
-    forward = sys.modules.get(f"{__package__}.forward")   # None until a kernel backend has run
-    if (forward is None or forward.POISON_OUTPUTS or type(dt_limit) is not tuple
-            or not all(type(v) in (int, float) for v in dt_limit)):
+    where the call is not replayed (ops.runtime.replay): as ``ops.torch_op.replay_key`` says,
+    and also where the options are of unusual types (they are checked afresh)."""
+    if type(dt_limit) is not tuple or not all(type(v) in (int, float) for v in dt_limit):
         return None, None
-    how = autotune.mode()                       # the configs a call takes depend on it
-    # the chunk the kernels compute with depends on compute_chunk's mode, as the configs on `how`
-    options = (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit, state_dtype, backend,
-               compute_chunk.mode(), how)
-    key, tuner = replay.call_key(tensors, options), autotune.tuner()
-    if how == "search" and key is not None:
-        try:
-            first = _SEARCHED.get(key) is not tuner
-        except TypeError:                       # an unhashable option: never replayed
-            return None, None
-        if first:
-            _SEARCHED[key] = tuner
-            return None, None
-    return key, tuner
+    return replay_key(tensors, (chunk_size, type(chunk_size), bool(dt_softplus), dt_limit,
+                                state_dtype, backend))
 
 
 def cutile_supported(device):

@@ -13,11 +13,15 @@ Outputs: ``out`` (b, L, h, p) in x's dtype, ``final_states`` (b, h, p, n) float3
 float64 inputs), ``varlen_states`` (nseq, h, p, n) in the same dtype, or (0, h, p, n) when not
 asked for.
 """
+import sys
 from typing import Optional
 
 import torch
 
 from ops.inputs import as_kernel_input, check_values
+from ops.runtime import replay
+from ops.runtime.tape import taped
+from ops.tuning import autotune, compute_chunk
 from ops.tuning.compute_chunk import kernel_chunk
 from ops.varlen_states import varlen_states
 from reference import chunked
@@ -87,6 +91,43 @@ def _(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chu
             x.new_empty((nseq, h, p, n), dtype=sdt))
 
 
+# Eager calls recorded once and replayed ---------------------------------------------------------
+#
+# Replay keys of eager calls made while a search may run (MAMBA2_CUTILE_AUTOTUNE=1), each with
+# the tuner it ran under. A key's first call may search, launching every candidate, so it is not
+# recorded; ops.forward memoises the answers per exact shape on that tuner, so from the key's
+# second call on nothing is searched, and the call is recorded, then replayed, as in the table
+# mode (a replayed call costs tens of microseconds of host time, a dispatched one hundreds).
+_SEARCHED = {}
+
+
+def replay_key(tensors, options):
+    """(the key of an eager call on ``tensors`` with ``options`` (a tuple), the autotuner it was
+    made under), or (None, None) where the call is not replayed (``ops.runtime.replay``: an
+    inference call's launches; ``ops.runtime.tape``: a training step's forward and backward):
+    it may search for configs (a key's first call in the search mode), or the outputs are
+    poisoned (tests), or a torch.func transform wraps the tensors, or a tensor is traced, of a
+    subclass or needs a gradient (``replay.call_key``). The autotuning mode and the compute chunk's
+    (ops/tuning/compute_chunk.py) are part of the key: switching either changes the launches."""
+    forward_module = sys.modules.get("ops.forward")    # None until a kernel backend has run
+    if (forward_module is None or forward_module.POISON_OUTPUTS
+            or torch._C._are_functorch_transforms_active()):  # wrapped tensors, no storage
+        return None, None
+    how = autotune.mode()                       # the configs a call takes depend on it
+    # the chunk the kernels compute with depends on compute_chunk's mode, as the configs on `how`
+    key = replay.call_key(tensors, options + (compute_chunk.mode(), how))
+    tuner = autotune.tuner()
+    if how == "search" and key is not None:
+        try:
+            first = _SEARCHED.get(key) is not tuner
+        except TypeError:                       # an unhashable option: never replayed
+            return None, None
+        if first:
+            _SEARCHED[key] = tuner
+            return None, None
+    return key, tuner
+
+
 # Autograd ---------------------------------------------------------------------------------------
 #
 # The kernel backends' gradients come from the backward kernels (ops/backward.py: they recompute
@@ -126,10 +167,21 @@ def _gradients(ctx, dout, dfinal, eager):
         # The operator takes the inputs as saved and prepares them as the forward does
         # (as_kernel_input, seq_idx from cu_seqlens, int32).
         from ops.backward import backward_op, ssd_backward   # cuda.tile, as kernel_forward
-        grads = (ssd_backward if eager else backward_op)(
-            dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
-            chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"], dt_min=o["dt_min"],
-            dt_max=o["dt_max"], state_dtype=o["state_dtype"], wanted=wanted)
+        args = (dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
+        options = dict(chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"],
+                       dt_min=o["dt_min"], dt_max=o["dt_max"], state_dtype=o["state_dtype"],
+                       wanted=wanted)
+        if not eager:
+            grads = backward_op(*args, **options)
+        else:
+            # an eager backward's host work is taped (ops.runtime.tape), but with cu_seqlens,
+            # whose values make the sequence ids
+            key = stamp = None
+            if cu_seqlens is None:
+                key, stamp = replay_key(args, ("backward", o["backend"], tuple(wanted),
+                                               tuple((k, v) for k, v in options.items()
+                                                     if k != "wanted")))
+            grads = taped(key, stamp, lambda *a: ssd_backward(*a, **options), args)
     return tuple(g.to(t.dtype) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
 
@@ -154,7 +206,11 @@ class EagerAutograd(torch.autograd.Function):
     @staticmethod
     def forward(*inputs):
         *tensors, options = inputs
-        return forward(*tensors, **options)
+        key = stamp = None
+        if tensors[9] is None and tensors[10] is None and not options["with_varlen"]:
+            # no sequence ids to check: the call's host work is taped (ops.runtime.tape)
+            key, stamp = replay_key(tensors, ("forward", tuple(options.items())))
+        return taped(key, stamp, lambda *t: forward(*t, **options), tensors)
 
     @staticmethod
     def setup_context(ctx, inputs, output):

@@ -15,6 +15,7 @@ So the same wrapper, given CPU inputs, gives a kernel you can step through
 with pdb on a laptop.
 """
 
+import contextlib
 import inspect
 import threading
 import types
@@ -149,8 +150,9 @@ class Plan(NamedTuple):
     before: tuple = ()
 
 
-# While a call is recorded for replay (``ops.runtime.replay.Recording``), ``RECORDER.plans`` lists the plans
-# ``run`` launches, in order (per thread: another thread's calls are not this call's).
+# While a call is recorded for replay (``ops.runtime.replay.Recording``, ``ops.runtime.tape.Tape``),
+# ``RECORDER.plans`` takes the plans ``run`` launches, in order (``append``; per thread: another
+# thread's calls are not this call's).
 RECORDER = threading.local()
 
 
@@ -159,10 +161,14 @@ def run(plan, stream=None):
     ``launch``."""
     for step in plan.before:
         run(step, stream)
-    launch(plan.grid, plan.kernel, plan.args, stream)
     recorded = getattr(RECORDER, "plans", None)
-    if recorded is not None:
-        recorded.append(plan)
+    if recorded is None:
+        launch(plan.grid, plan.kernel, plan.args, stream)
+        return plan.outputs
+    # a tape (ops.runtime.tape) records the call's torch ops, not the interpreter's inside a launch
+    with getattr(recorded, "pause", contextlib.nullcontext)():
+        launch(plan.grid, plan.kernel, plan.args, stream)
+    recorded.append(plan)
     return plan.outputs
 
 

@@ -221,17 +221,22 @@ _RAW_STREAM = None
 
 
 def _launch_all(launches, pick, handle, device):
+    for grid, kernel, index in launches:
+        launch_on(handle, device, grid, kernel, tuple(map(pick, index)))
+
+
+def launch_on(handle, device, grid, kernel, args):
+    """``ct.launch`` on the stream whose raw handle is ``handle`` (torch's Stream object of
+    ``device``'s current stream where ``ct.launch`` does not take the handle)."""
     global _RAW_STREAM
     import cuda.tile as ct
-    stream = handle if _RAW_STREAM is not False else torch.cuda.current_stream(device)
-    for n, (grid, kernel, index) in enumerate(launches):
-        args = tuple(map(pick, index))
-        if _RAW_STREAM is None and n == 0:
-            try:
-                ct.launch(stream, grid, kernel, args)
-                _RAW_STREAM = True
-                continue
-            except TypeError:                           # refused before anything ran
-                _RAW_STREAM = False
-                stream = torch.cuda.current_stream(device)
-        ct.launch(stream, grid, kernel, args)
+    if _RAW_STREAM is not False:
+        try:
+            ct.launch(handle, grid, kernel, args)
+            _RAW_STREAM = True
+            return
+        except TypeError:
+            if _RAW_STREAM:                             # a handle is taken: the error is the call's
+                raise
+            _RAW_STREAM = False                         # refused before anything ran
+    ct.launch(torch.cuda.current_stream(device), grid, kernel, args)

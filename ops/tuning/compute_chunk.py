@@ -38,8 +38,8 @@ What it costs: the entry states, (b, chunks, h, p, n), double at half the chunk,
 the backward's dS, their gradient. That memory is transient, one layer's scan at a time: the
 forward's entry states are freed when it returns (the backward recomputes them). The forward's
 peak and a training step's rise accordingly (``models_h200.csv``'s ``peak_mem_mb``;
-``fwd_bwd_h200.csv`` and ``fwd_bwd_2p7b_plan_fix_h200.csv`` against the same step at exactly the
-caller's 256, ``fwd_bwd_caller_h200.csv``; PERF_NOTES.md compares them with Triton's).
+``fwd_bwd_h200.csv``, beside Triton's, against the same step at exactly the caller's 256,
+``fwd_bwd_caller_h200.csv``; PERF_NOTES.md compares them).
 ``MAMBA2_CUTILE_COMPUTE_CHUNK=caller`` gives it back, at the time the caller's chunk takes.
 
 The rounding difference is measured through the interpreter by

@@ -297,7 +297,6 @@ def plot(rows, path, device):
         ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))], vals,
                width, label=label, hatch=hatch, color=color, alpha=0.6 if hatch else 1.0)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.axhline(1.5, color="gray", lw=0.8, ls="--", label="target 1.5x")
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("forward + backward speedup over Triton (chunk 256)")
     ax.set_title(f"Training step's scan (forward + backward), bf16, {device}")

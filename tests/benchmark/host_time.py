@@ -13,7 +13,9 @@ waited for, except where said):
   * launch: one ``ct.launch`` of a tiny kernel, the floor of any launch, and the forward's own
     launches alone with their arguments bound once;
   * the parts of an eager call: the entry point's checks, the custom op's dispatch, and
-    ``kernel_forward`` alone.
+    ``kernel_forward`` alone;
+  * a training step (forward and backward) taped (``ops/runtime/tape.py``), with the tape off,
+    and replayed from a CUDA graph (``training_step_rows``).
 """
 import argparse
 import statistics
@@ -98,15 +100,8 @@ def main(argv=None):
             kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], q, D=kw["D"], dt_bias=kw["dt_bias"],
             dt_softplus=True))
         if args.profile:
-            import cProfile
-            import pstats
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(500):
-                call()
-            profile.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+            print_profile(call, 500)
+    rows.update(training_step_rows(kw, q, capture_graph, profile=args.profile))
     for name, seconds in rows.items():
         print(f"{name:40s} {seconds * 1e3:8.4f} ms")
     print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")
@@ -115,6 +110,50 @@ def main(argv=None):
         device = torch.cuda.get_device_name()
         write_csv(args.out, [dict(shape=args.shape, what=name, ms=seconds * 1e3, device=device,
                                   torch=torch.__version__) for name, seconds in rows.items()])
+
+
+def training_step_rows(kw, chunk_size, capture_graph, profile=False):
+    """A training step (the forward with every float input requiring a gradient, then
+    ``backward`` of a fixed output gradient): taped (``ops/runtime/tape.py``: after the first
+    step, each pass replays the first's torch ops and launches), with the tape switched off
+    (plans, configs and checks every time), and captured in a CUDA graph and replayed."""
+    import ops.torch_op
+    from ops import mamba_chunk_scan_combined
+    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+              for k, v in kw.items() if v is not None}
+    dout = torch.randn_like(leaves["x"])
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=chunk_size, dt_softplus=True,
+                                        backend="cutile")
+        out.backward(dout)
+    rows = {"training step (taped)": per_call(step, calls=20)}
+    taped = ops.torch_op.taped
+    ops.torch_op.taped = lambda key, stamp, fn, inputs: fn(*inputs)
+    try:
+        rows["training step, not taped"] = per_call(step, calls=20)
+    finally:
+        ops.torch_op.taped = taped
+    graph, _ = capture_graph(step)
+    rows["training step, graph replay"] = per_call(graph.replay, calls=20)
+    if profile:
+        print_profile(step, 100)
+    return rows
+
+
+def print_profile(fn, calls):
+    """Where ``calls`` calls of ``fn`` spend the host's time (cProfile, by own time)."""
+    import cProfile
+    import pstats
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

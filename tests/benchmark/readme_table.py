@@ -10,7 +10,8 @@ holds two tables at the four model shapes of ``ops.results.models.MODELS``, each
     the forward pass      ``FORWARD_CSV`` (``tests/benchmark/models.py``): ms of this project,
                           mamba_ssm's Triton kernels and TileGym, and ours' speedup over each
     the training step     ``TRAINING_CSVS`` (``tests/benchmark/fwd_bwd.py``): forward + backward,
-                          ms and peak MiB of the same three, and ours' speedup over each
+                          ms and peak MiB of the same three, and ours' speedup over each; where
+                          every row has it (``--graph``), the GPU time too
 
 Each implementation is read at the chunk a caller passes it (``CHUNKS``). A needed row that is
 missing, repeated or without a time raises ``MissingRow`` naming the CSV and the row: nothing is
@@ -29,9 +30,9 @@ from ops.results.report import fmt_len, load
 # The committed results the tables are made from (file names under RESULTS).
 FORWARD_CSV = "models_auto_h200.csv"
 # Searched in order: a model's training-step rows come from the first CSV that has the model.
-TRAINING_CSVS = ("fwd_bwd_tilegym_h200.csv", "fwd_bwd_tilegym_grid_h200.csv")
+TRAINING_CSVS = ("fwd_bwd_h200.csv",)
 # A later run of ours alone whose peak memory is quoted under the training table (None: none).
-PEAK_RECHECK_CSV = "fwd_bwd_2p7b_plan_fix_h200.csv"
+PEAK_RECHECK_CSV = None
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "benchmark" / "results"
@@ -195,12 +196,25 @@ def training_table(sources, models=MODELS):
         if any(isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p)
                for p in peak.values()):
             raise MissingRow(f"{name}: a row of shape={model} has no peak_mib ({peak})")
-        body.append([f"`{model}`"] + [f"{ms[impl]:.2f}" for impl in IMPLS]
-                    + [ratio(ms[peer], ms[OURS]) for peer in PEERS]
-                    + [" / ".join(f"{peak[impl]:.0f}" for impl in IMPLS)])
-    header = ["training step, ms", "ours", "Triton", "TileGym", "× Triton", "× TileGym",
-              "peak MiB: ours / Triton / TileGym"]
-    return table(header, body), used, names
+        gpu = {impl: got[impl].get("graph_ms") for impl in IMPLS}
+        body.append(([f"`{model}`"] + [f"{ms[impl]:.2f}" for impl in IMPLS]
+                     + [ratio(ms[peer], ms[OURS]) for peer in PEERS],
+                     gpu, [" / ".join(f"{peak[impl]:.0f}" for impl in IMPLS)]))
+    # GPU time (the step replayed from a CUDA graph), where every row has it
+    graphed = all(_finite(t) for _, gpu, _ in body for t in gpu.values())
+    header = ["training step, ms", "ours", "Triton", "TileGym", "× Triton", "× TileGym"]
+    if graphed:
+        header += ["GPU ms: ours / Triton / TileGym", "GPU: × Triton / × TileGym"]
+    header += ["peak MiB: ours / Triton / TileGym"]
+    lines = [eager + ([" / ".join(f"{gpu[impl]:.2f}" for impl in IMPLS),
+                       " / ".join(ratio(gpu[peer], gpu[OURS]) for peer in PEERS)]
+                      if graphed else []) + peak for eager, gpu, peak in body]
+    return table(header, lines), used, names
+
+
+def _finite(value):
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value))
 
 
 def recheck_note(recheck, models=MODELS):
@@ -237,8 +251,11 @@ def build_block(forward_rows, training_sources, recheck=None, forward_source=FOR
     grads = [k for k in train_used[OURS][0] if k.startswith("grad_diff_")]
     worst = [v for v in (largest(train_used[OURS], k) for k in grads) if v is not None]
     train_chunks = chunks_text(train_used, "fwd_chunk", "bwd_chunk")
-    train_note = (f"From {where}: forward, then `out.backward(dout)`, eager; peak: memory allocated "
-                  "in the step beyond that before it. Chunks"
+    graphed = all(_finite(r.get("graph_ms")) for impl in IMPLS for r in train_used[impl])
+    train_note = (f"From {where}: forward, then `out.backward(dout)`, eager"
+                  + ("; GPU: the same step replayed from a CUDA graph (no host time between "
+                     "launches)" if graphed else "")
+                  + "; peak: memory allocated in the step beyond that before it. Chunks"
                   + (" as above." if train_chunks == fwd_chunks else f": {train_chunks}.")
                   + (f" Gradients within {sci(max(worst))} of Triton's." if worst else "")
                   + " TileGym gets dt already processed and returns no dt or dt_bias gradient."

@@ -60,6 +60,22 @@ def test_training_table_by_hand():
     assert lines[2] == "| `toy` | 2.00 | 3.00 | 1.00 | 1.50× | 0.50× | 600 / 500 / 1001 |"
 
 
+def test_training_table_adds_gpu_time_where_every_row_has_it():
+    """With graph times in every row (fwd_bwd.py --graph), two more columns: GPU ms of the three
+    and ours' speedup by GPU time (ours 1.6 ms, Triton 2.4, TileGym 0.8: 1.50x and 0.50x); a row
+    without one (NaN) leaves them out rather than show a gap."""
+    rows = training_rows()
+    for row, gpu in zip(rows, (1.6, 2.4, 0.8)):
+        row["graph_ms"] = gpu
+    lines, _, _ = rt.training_table([("step.csv", rows)], MODEL)
+    assert "| GPU ms: ours / Triton / TileGym | GPU: × Triton / × TileGym |" in lines[0]
+    assert lines[2] == ("| `toy` | 2.00 | 3.00 | 1.00 | 1.50× | 0.50× | 1.60 / 2.40 / 0.80 | "
+                        "1.50× / 0.50× | 600 / 500 / 1001 |")
+    rows[2]["graph_ms"] = float("nan")
+    lines, _, _ = rt.training_table([("step.csv", rows)], MODEL)
+    assert "GPU" not in lines[0] and lines[2].endswith("| 0.50× | 600 / 500 / 1001 |")
+
+
 def test_block_notes_by_hand():
     block = rt.build_block(forward_rows(), [("step.csv", training_rows())],
                            forward_source="fwd.csv", models=MODEL)

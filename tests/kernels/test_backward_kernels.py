@@ -332,8 +332,9 @@ class LiveTensors(torch.utils._python_dispatch.TorchDispatchMode):
     @classmethod
     def around_launches(cls, monkeypatch):
         """A tracker paused during every ``ops.runtime.launch.launch`` (the interpreter's temporaries).
-        A replayed eager call (``ops.runtime.replay``) launches through the interpreter directly and is
-        not paused: count calls that need a gradient (never replayed) or the backward alone."""
+        A replayed inference call (``ops.runtime.replay``) launches through the interpreter directly
+        and is not paused: count training steps (a replayed step's tape launches through
+        ``launch`` on a CPU) or the backward alone."""
         tracker, real = cls(), ops.runtime.launch.launch
 
         def paused(*args, **kwargs):

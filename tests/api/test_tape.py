@@ -1,0 +1,232 @@
+"""Training steps taped (``ops.runtime.tape``): an eager step's forward and backward recorded once
+as their torch ops and launches, then replayed for calls with the same key.
+
+The taped steps' outputs and gradients must equal, bitwise, those of the same steps run without
+the tape (the same kernels and ops in the same order: nothing to tolerate); the untaped runs'
+agreement with the recurrence is what tests/api/test_drop_in.py checks. Runs on the CPU
+interpreter; the GPU version carries the ``gpu`` marker.
+"""
+import pytest
+import torch
+
+import ops.forward  # noqa: F401  (a process's first call is keyed once the kernels' module is in)
+from ops import mamba_chunk_scan_combined
+from ops.runtime import tape
+from reference.problems import make_problem
+
+LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+@pytest.fixture
+def tape_runs(monkeypatch):
+    """The kinds ("forward" or "backward") of the tapes replayed, in order; the tapes start
+    empty."""
+    runs = []
+    original = tape.Tape.run
+
+    def run(self, inputs):
+        runs.append("backward" if len(inputs) == 13 else "forward")
+        return original(self, inputs)
+    monkeypatch.setattr(tape.Tape, "run", run)
+    monkeypatch.setattr(tape, "_TAPES", {})
+    return runs
+
+
+def _untaped(monkeypatch):
+    """No call is taped from here on (each runs its Python afresh)."""
+    import ops.torch_op
+    monkeypatch.setattr(ops.torch_op, "taped", lambda key, stamp, fn, inputs: fn(*inputs))
+
+
+def _step(kw, seed, chunk_size=32, loss="both", device="cpu", **options):
+    """One training step on copies of ``kw``'s tensors: -> [out, final_states, every gradient]."""
+    inputs = {k: (v.detach().clone().requires_grad_(k in LEAVES) if v.is_floating_point()
+                  else v) for k, v in kw.items()}
+    out, final = mamba_chunk_scan_combined(
+        **inputs, chunk_size=chunk_size, dt_softplus=True, return_final_states=True,
+        backend="interpret" if device == "cpu" else "cutile", **options)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(
+        device=out.device, dtype=out.dtype)
+    if loss == "out":                                   # final_states' gradient absent (None)
+        (out * weights).sum().backward()
+    elif loss == "sum":                                 # dout an expanded tensor of ones
+        out.sum().backward()
+    else:
+        ((out * weights).sum() + final.square().sum()).backward()
+    return [out.detach(), final.detach()] + [inputs[k].grad for k in LEAVES
+                                             if k in inputs and inputs[k].grad is not None]
+
+
+def _shifted(kw, by):
+    return {k: (v + by if v.is_floating_point() and k != "A" else v) for k, v in kw.items()}
+
+
+CASES = {
+    "D 2-d, z, initial states, 2 groups": dict(D="2d", ngroups=2),
+    "D 1-d, dt_bias": dict(D="1d", z=False, initial_states=False),
+    "no D, bf16, dout of ones": dict(D=None, z=False, initial_states=False,
+                                     dtype=torch.bfloat16, loss="sum"),
+    "seq_idx, z, no final-state loss": dict(D="1d", initial_states=False, seq_boundaries=[40],
+                                            loss="out"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_taped_training_steps_equal_untaped_ones_bitwise(tape_runs, monkeypatch, case):
+    """The first step records, the next ones replay (both passes; with seq_idx the forward,
+    whose ids are checked by value, is not taped); every output and gradient equals the untaped
+    step's on the same inputs."""
+    options = dict(CASES[case])
+    loss = options.pop("loss", "both")
+    dtype = options.pop("dtype", torch.float32)
+    kw = make_problem(**{**dict(batch=2, seqlen=96, nheads=4, headdim=16, ngroups=1, dstate=16,
+                                dt_bias=True), **options}, dtype=dtype, seed=5)
+    if "seq_idx" in kw:
+        kw["seq_idx"] = kw["seq_idx"].to(torch.int32)
+    steps = [(kw, 1), (_shifted(kw, 0.25), 2), (_shifted(kw, -0.5), 3)]
+    taped = [_step(k, s, loss=loss) for k, s in steps]
+    replayed = ["backward"] if "seq_idx" in kw else ["forward", "backward"]
+    assert tape_runs == replayed * 2
+    _untaped(monkeypatch)
+    for (k, s), got in zip(steps, taped):
+        want = _step(k, s, loss=loss)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_new_key_records_again(tape_runs, monkeypatch):
+    """Other strides or another dtype make another call: recorded afresh (not replayed from a
+    tape of another key), and still exact."""
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, D="1d",
+                      dt_bias=True, dtype=torch.float32, seed=6)
+    _step(kw, 1), _step(kw, 1)
+    tape_runs.clear()
+    strided = dict(kw, x=kw["x"].transpose(1, 2).contiguous().transpose(1, 2))
+    half = {k: (v.to(torch.float16) if k in ("x", "B", "C", "z") else v) for k, v in kw.items()}
+    for other in (strided, half):
+        got = _step(other, 2)
+        assert tape_runs == []
+        _step(other, 2)
+        assert tape_runs == ["forward", "backward"]
+        tape_runs.clear()
+    got = _step(half, 3)
+    _untaped(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(got, _step(half, 3), strict=True))
+
+
+# The tape itself, on plain torch functions -------------------------------------------------------
+
+def _record(fn, *inputs):
+    return tape.taped(("test", fn.__name__), None, fn, inputs)
+
+
+def test_a_tape_replays_views_in_place_ops_and_conversions(monkeypatch):
+    monkeypatch.setattr(tape, "_TAPES", {})
+
+    def fn(a, b):
+        s = a.sum(0)
+        a2 = a.clone()
+        a2[..., -1] += b.sum(-1)                        # select, add_, copy_ into a view
+        buf = torch.empty(a.shape, dtype=torch.float64)
+        buf.copy_(a2)
+        unused = a.t()                                  # a view no one reads: dropped  # noqa: F841
+        return [s.to(torch.float16), buf, torch.cat([a, b], 1)]
+
+    a, b = torch.randn(5, 3), torch.randn(5, 4)
+    first = _record(fn, a, b)
+    recorded = tape._TAPES[("test", "fn")]
+    assert isinstance(recorded, tape.Tape) and recorded.usable
+    assert "aten.t.default" not in [str(step[1]) for step in recorded.steps]
+    a2, b2 = torch.randn(5, 3), torch.randn(5, 4)
+    again = _record(fn, a2, b2)
+    for got, want in zip(again, fn(a2, b2), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert all(g.data_ptr() != f.data_ptr() for g, f in zip(again, first))
+
+
+def test_a_tape_that_reads_a_value_or_an_outside_tensor_is_never_replayed(monkeypatch):
+    """A step that reads a tensor's value on the host (its later steps could depend on it), or
+    uses a tensor made outside the call (it could hold anything), makes the call not
+    replayable: every later call runs it afresh."""
+    monkeypatch.setattr(tape, "_TAPES", {})
+    outside = torch.randn(3)
+    calls = []
+
+    def reads_value(a):
+        calls.append(1)
+        return [a * float(a.sum())]
+
+    def uses_outside(a):
+        calls.append(1)
+        return [a + outside]
+
+    for fn in (reads_value, uses_outside):
+        calls.clear()
+        for scale in (1.0, 2.0, 3.0):
+            a = torch.full((3,), scale)
+            got = _record(fn, a)
+            assert torch.equal(got[0], fn(a)[0])
+        assert len(calls) == 6                          # every call ran the function
+        assert tape.lookup(("test", fn.__name__), None) is tape.NEVER
+
+
+def test_a_replay_releases_each_intermediate_after_its_last_reader(monkeypatch, collector_off):
+    """A replay holds no intermediate past its last use: the tensors a recorded call freed as it
+    went (the backward's ``del``), a replay frees at the same point or earlier. Checked by
+    watching a large intermediate die while the replay goes on."""
+    import weakref
+    monkeypatch.setattr(tape, "_TAPES", {})
+
+    def fn(a):
+        big = a.repeat(100, 1)
+        small = big.sum(0)
+        return [small * 2, torch.ones(2)]
+
+    a = torch.randn(4)
+    _record(fn, a)
+    recorded = tape._TAPES[("test", "fn")]
+    refs, alive = [], []
+
+    def watched(step):                  # `big` is made by repeat; is it alive when ones runs?
+        kind, func, *rest = step
+        if str(func) == "aten.repeat.default":
+            def call(*args, **kwargs):
+                out = func(*args, **kwargs)
+                refs.append(weakref.ref(out))
+                return out
+        elif str(func) == "aten.ones.default":
+            def call(*args, **kwargs):
+                alive.append(refs[0]() is not None)
+                return func(*args, **kwargs)
+        else:
+            return step
+        return (kind, call, *rest)
+    monkeypatch.setattr(recorded, "steps", [watched(step) for step in recorded.steps])
+    with collector_off():
+        got = recorded.run((a,))
+    assert alive == [False] and torch.equal(got[0], fn(a)[0])
+
+
+@pytest.mark.gpu
+def test_taped_training_steps_on_gpu_equal_untaped_ones(tape_runs, monkeypatch):
+    """On the GPU (kernels launched on raw stream handles): taped steps bitwise the untaped ones,
+    and a replayed step's peak memory no higher than the untaped step's."""
+    kw = make_problem(batch=2, seqlen=512, nheads=8, headdim=64, ngroups=1, dstate=128, D="1d",
+                      dt_bias=True, dtype=torch.bfloat16, seed=8, device="cuda")
+    steps = [(kw, 1), (_shifted(kw, 0.25), 2), (_shifted(kw, -0.5), 3)]
+
+    def peak(k, s):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        got = _step(k, s, chunk_size=128, device="cuda")
+        torch.cuda.synchronize()
+        return got, torch.cuda.max_memory_allocated() - base
+    taped = [peak(k, s) for k, s in steps]
+    assert tape_runs.count("backward") == 2
+    _untaped(monkeypatch)
+    for (k, s), (got, taped_peak) in zip(steps, taped):
+        want, untaped_peak = peak(k, s)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert taped[-1][1] <= untaped_peak
