@@ -429,7 +429,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     del dC_parts
     if fused:
         del dS
-        ddA[..., -1] += ddA_tiles.sum(-1)      # the states' term at each chunk's last token
+        # the states' term at each chunk's last token (added in place through a view: two
+        # dispatched operators, not the five of an indexed +=, each host time in a small step)
+        ddA.select(-1, -1).add_(ddA_tiles.sum(-1))
         del ddA_tiles
         if configs.get("bwd_chunk_states") is not None:
             # unused, but a typo in it must not pass unnoticed
@@ -445,7 +447,7 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         del dS
         dB += dB_s                             # chunk_states' dB, summed over the group's heads
         del dB_s
-    ddA[..., -1] += ddA_last                   # the pass' term, at each chunk's last token
+    ddA.select(-1, -1).add_(ddA_last)          # the pass' term, at each chunk's last token
     del ddA_last
     dD = None
     if D is not None and "D" in wanted:

@@ -115,6 +115,25 @@ def test_a_new_key_records_again(tape_runs, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, _step(half, 3), strict=True))
 
 
+def test_a_taped_step_dispatches_few_operators(tape_runs):
+    """Each operator a step dispatches costs host time on a GPU (about 15 us each on the H200's
+    host, against a few microseconds of GPU work at small shapes: PERF_NOTES.md, "An eager
+    training step replays its first step's tape"), so the tapes' lengths are held where they
+    are: at this shape (bf16, 1-d D, dt_bias; the defaults' launches) the forward makes 6
+    operators and 3 launches, the backward 42 operators (23 of them its outputs' buffers) and 7
+    launches. A change that adds operators to the step fails here and says how many."""
+    from collections import Counter
+    kw = make_problem(batch=1, seqlen=128, nheads=4, headdim=16, ngroups=1, dstate=16, D="1d",
+                      z=False, initial_states=False, dtype=torch.bfloat16, seed=1)
+    _step(kw, 1)
+    counts = {}
+    for key, recorded in tape._TAPES.items():
+        kinds = Counter("launch" if step[0] == tape._LAUNCH else "operator"
+                        for step in recorded.steps)
+        counts[key[1][0]] = (kinds["operator"], kinds["launch"])
+    assert counts == {"forward": (6, 3), "backward": (42, 7)}, counts
+
+
 # The tape itself, on plain torch functions -------------------------------------------------------
 
 def _record(fn, *inputs):
