@@ -69,3 +69,13 @@ def collector_off():
             if enabled:
                 gc.enable()
     return off
+
+
+@pytest.fixture(autouse=True)
+def fresh_tapes():
+    """Each test starts with no taped training step (``ops.runtime.tape``): a tape replays what
+    the module settings made when it was recorded, so a test that changes one (a slice length, a
+    default) must not replay another test's recording."""
+    from ops.runtime import tape
+    tape.clear()
+    yield

@@ -96,7 +96,10 @@ class Recording:
         except TypeError:                               # an unhashable option
             return
         if len(_REPLAYS) >= CACHE_SIZE:
-            _REPLAYS.pop(next(iter(_REPLAYS)))
+            try:
+                _REPLAYS.pop(next(iter(_REPLAYS)), None)    # the oldest (another thread may too)
+            except (RuntimeError, StopIteration):
+                pass
         _REPLAYS[self.key] = replay if replay.usable else _Never(self.stamp)
 
 

@@ -24,8 +24,12 @@ recorded call did (the backward's ``del`` statements are honoured by constructio
 A recording is kept only if the call can be replayed exactly (``Tape.usable``): every tensor its
 steps read is an input, a step's output or a marked stand-in the kernels never read
 (``ops.runtime.launch.unread_stand_in``); no operator returned a Python value (reading a tensor's
-value on the host, ``.item()``, would make the steps depend on the values, not only the key); and
-its results are tensors the steps made. Otherwise the key is marked never to be recorded again.
+value on the host, ``.item()`` or ``bool()``, would make the steps depend on the values, not only
+the key); and its results are tensors the steps made. Otherwise the key is marked never to be
+recorded again. Two things the tape cannot see are rules for what it records: a value read
+without an operator (``.tolist()``, ``.numpy()``), and a module-level setting read during the call
+(a tile size, a slice length): change one and ``clear()`` the tapes, or calls keep replaying what
+the old setting made.
 """
 import contextlib
 import weakref
@@ -48,6 +52,11 @@ NEVER = "never"
 class _Never:
     def __init__(self, stamp):
         self.stamp = stamp
+
+
+def clear():
+    """Forget every recorded call (after changing a setting the calls read: see above)."""
+    _TAPES.clear()
 
 
 def lookup(key, stamp):
@@ -78,7 +87,10 @@ def taped(key, stamp, fn, inputs):
         results = fn(*inputs)
     tape.finish(results)
     if len(_TAPES) >= CACHE_SIZE:
-        _TAPES.pop(next(iter(_TAPES)))
+        try:
+            _TAPES.pop(next(iter(_TAPES)), None)        # the oldest (another thread may too)
+        except (RuntimeError, StopIteration):
+            pass
     _TAPES[key] = tape if tape.usable else _Never(stamp)
     return results
 
@@ -161,7 +173,7 @@ class Tape:
                 self.usable = False
                 return (_VALUE, value)
             return (_SLOT, slot)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+        if isinstance(value, (list, tuple)) and _holds_tensor(value):
             return (_SEQUENCE, (type(value), tuple(self._spec(v) for v in value)))
         return (_VALUE, value)
 
@@ -211,11 +223,7 @@ class Tape:
         specs = step[2] if step[0] == _OP else step[3]
         if step[0] == _OP:
             specs = specs + tuple(v for _, v in step[3])
-        for kind, what in specs:
-            if kind == _SLOT:
-                yield what
-            elif kind == _SEQUENCE:
-                yield from (w for k, w in what[1] if k == _SLOT)
+        return _slots_in(specs)
 
     @staticmethod
     def _made(step):
@@ -224,11 +232,13 @@ class Tape:
 
     def _drop_unread(self):
         """Operators that change no tensor and whose outputs nothing reads (the stand-ins'
-        zeros, a view taken and not used) are dropped, last first."""
+        zeros, a view taken and not used) are dropped, last first; one that returns nothing is
+        kept (a check, say: its effect is not an output)."""
         needed = set(self.results)
         kept = []
         for step in reversed(self.steps):
-            if step[0] == _OP and not step[5] and not needed.intersection(self._made(step)):
+            if (step[0] == _OP and not step[5] and step[4] is not None
+                    and not needed.intersection(self._made(step))):
                 continue
             needed.update(self._reads(step))
             kept.append(step)
@@ -250,7 +260,7 @@ class Tape:
         """Each step as the replay runs it: every argument a position in the call's list of
         slots, whose template holds the kept values after the call's own slots (one list
         indexing per argument, no per-argument branching); an argument list holding a sequence
-        of tensors (rare) keeps its specs."""
+        of tensors (rare) keeps its specs (a launch's in the place of an operator's outputs)."""
         values = []
 
         def position(spec):
@@ -274,8 +284,11 @@ class Tape:
                                  out, released))
             else:
                 _, grid, kernel, args, released = step
-                compiled.append((_LAUNCH, grid, kernel, tuple(position(a) for a in args),
-                                 None, released))
+                if any(kind == _SEQUENCE for kind, _ in args):      # kept as specs
+                    compiled.append((_LAUNCH, grid, kernel, None, args, released))
+                else:
+                    compiled.append((_LAUNCH, grid, kernel, tuple(position(a) for a in args),
+                                     None, released))
         self.steps = compiled
         self.template = [None] * self.nslots + values
 
@@ -291,7 +304,10 @@ class Tape:
         pick = slots.__getitem__
         for kind, what, how, args, out, released in self.steps:
             if kind == _LAUNCH:
-                launch(what, how, tuple(map(pick, args)))
+                if args is None:                    # a sequence of tensors among the arguments
+                    launch(what, how, tuple(_arg(slots, s) for s in out))
+                else:
+                    launch(what, how, tuple(map(pick, args)))
             else:
                 if args is None:                    # a sequence of tensors among the arguments
                     specs, kwargs = how
@@ -310,6 +326,19 @@ class Tape:
             for slot in released:
                 slots[slot] = None
         return self.result_type(slots[s] for s in self.results)
+
+
+def _holds_tensor(value):
+    return any(isinstance(v, torch.Tensor)
+               or (isinstance(v, (list, tuple)) and _holds_tensor(v)) for v in value)
+
+
+def _slots_in(specs):
+    for kind, what in specs:
+        if kind == _SLOT:
+            yield what
+        elif kind == _SEQUENCE:
+            yield from _slots_in(what[1])
 
 
 def _arg(slots, spec):

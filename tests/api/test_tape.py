@@ -227,6 +227,45 @@ def test_a_replay_releases_each_intermediate_after_its_last_reader(monkeypatch, 
     assert alive == [False] and torch.equal(got[0], fn(a)[0])
 
 
+def test_a_launch_taking_a_sequence_of_tensors_replays_with_the_new_ones(monkeypatch):
+    """Kernel arguments nested in tuples (at any depth) are the new call's tensors on replay,
+    not the recorded call's."""
+    from ops.runtime import launch as launch_module
+    monkeypatch.setattr(tape, "_TAPES", {})
+    seen = []
+
+    def fake_launch(grid, kernel, args, stream=None):
+        (pair,), out = args
+        seen.append(pair)
+        out.copy_(pair[0] + pair[1])
+    monkeypatch.setattr(launch_module, "launch", fake_launch)
+
+    def fn(a, b):
+        out = torch.empty_like(a)
+        return [launch_module.run(launch_module.Plan((1,), "k", (((a, b),), out), (out,)))[0]]
+
+    for scale in (1.0, 2.0, 3.0):
+        a, b = torch.full((3,), scale), torch.full((3,), 10.0)
+        got, = _record(fn, a, b)
+        assert torch.equal(got, a + b) and seen[-1][0] is a
+    assert isinstance(tape._TAPES[("test", "fn")], tape.Tape)
+
+
+def test_an_operator_that_returns_nothing_is_kept(monkeypatch):
+    """An operator whose effect is not an output (a device-side check) is replayed, not dropped
+    as unread."""
+    monkeypatch.setattr(tape, "_TAPES", {})
+
+    def checked(a):
+        torch._assert_async((a > 0).all())
+        return [a * 2]
+
+    _record(checked, torch.ones(2))
+    _record(checked, torch.ones(2))
+    with pytest.raises(RuntimeError):
+        _record(checked, -torch.ones(2))
+
+
 @pytest.mark.gpu
 def test_taped_training_steps_on_gpu_equal_untaped_ones(tape_runs, monkeypatch):
     """On the GPU (kernels launched on raw stream handles): taped steps bitwise the untaped ones,
