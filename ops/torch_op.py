@@ -178,9 +178,7 @@ def _gradients(ctx, dout, dfinal, eager):
             # whose values make the sequence ids
             key = stamp = None
             if cu_seqlens is None:
-                key, stamp = replay_key(args, ("backward", o["backend"], tuple(wanted),
-                                               tuple((k, v) for k, v in options.items()
-                                                     if k != "wanted")))
+                key, stamp = replay_key(args, ("backward", tuple(o.items()), tuple(wanted)))
             grads = taped(key, stamp, lambda *a: ssd_backward(*a, **options), args)
     return tuple(g.to(t.dtype) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
@@ -206,8 +204,9 @@ class EagerAutograd(torch.autograd.Function):
     @staticmethod
     def forward(*inputs):
         *tensors, options = inputs
+        seq_idx, cu_seqlens = tensors[9:]
         key = stamp = None
-        if tensors[9] is None and tensors[10] is None and not options["with_varlen"]:
+        if seq_idx is None and cu_seqlens is None and not options["with_varlen"]:
             # no sequence ids to check: the call's host work is taped (ops.runtime.tape)
             key, stamp = replay_key(tensors, ("forward", tuple(options.items())))
         return taped(key, stamp, lambda *t: forward(*t, **options), tensors)

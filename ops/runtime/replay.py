@@ -56,16 +56,38 @@ def lookup(key, stamp):
     """The replay recorded for ``key`` under ``stamp`` (what else decides the launches: the
     autotuner in use); ``NEVER`` for a key whose calls were found not replayable (so they are
     not recorded again and again); else None (also for a key with an unhashable option)."""
-    try:
-        replay = _REPLAYS.get(key)
-    except TypeError:
-        return NEVER
-    if replay is None or replay.stamp is not stamp:
-        return None
-    return NEVER if isinstance(replay, _Never) else replay
+    return lookup_in(_REPLAYS, key, stamp)
 
 
 NEVER = "never"      # lookup's answer for calls that are not replayable
+
+
+def lookup_in(cache, key, stamp):
+    """``lookup`` in ``cache`` (this module's replays, or ``ops.runtime.tape``'s tapes): each
+    entry has the ``stamp`` it was recorded under; NEVER for an unhashable key, too."""
+    try:
+        entry = cache.get(key)
+    except TypeError:
+        return NEVER
+    if entry is None or entry.stamp is not stamp:
+        return None
+    return NEVER if isinstance(entry, _Never) else entry
+
+
+def keep_in(cache, key, recorded, size):
+    """Store ``recorded`` (a recording with ``stamp`` and ``usable``) in ``cache`` for ``key``,
+    or, where it is not usable, a note that the key's calls are never replayed; the oldest entry
+    goes first when the cache holds ``size``. An unhashable key is not stored."""
+    try:
+        hash(key)
+    except TypeError:                                   # an unhashable option
+        return
+    if len(cache) >= size:
+        try:
+            cache.pop(next(iter(cache)), None)          # the oldest (another thread may too)
+        except (RuntimeError, StopIteration):
+            pass
+    cache[key] = recorded if recorded.usable else _Never(recorded.stamp)
 
 
 class Recording:
@@ -90,21 +112,13 @@ class Recording:
         return False
 
     def keep(self, results):
-        replay = Replay(self.plans, self.inputs, results, self.stamp)
-        try:
-            hash(self.key)
-        except TypeError:                               # an unhashable option
-            return
-        if len(_REPLAYS) >= CACHE_SIZE:
-            try:
-                _REPLAYS.pop(next(iter(_REPLAYS)), None)    # the oldest (another thread may too)
-            except (RuntimeError, StopIteration):
-                pass
-        _REPLAYS[self.key] = replay if replay.usable else _Never(self.stamp)
+        keep_in(_REPLAYS, self.key, Replay(self.plans, self.inputs, results, self.stamp),
+                CACHE_SIZE)
 
 
 class _Never:
-    """A key's entry when its call was not replayable (under the tuner ``stamp``)."""
+    """A key's entry when its call was not replayable (under the tuner ``stamp``): a replay's
+    or a tape's."""
 
     def __init__(self, stamp):
         self.stamp = stamp

@@ -37,7 +37,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ops.runtime.replay import launch_on
+from ops.runtime.replay import NEVER, keep_in, launch_on, lookup_in
 
 # Recorded calls by key; the oldest goes first when full.
 _TAPES = {}
@@ -45,14 +45,6 @@ CACHE_SIZE = 256
 
 _OP, _LAUNCH = 0, 1
 _SLOT, _VALUE, _SEQUENCE = 0, 1, 2
-
-NEVER = "never"
-
-
-class _Never:
-    def __init__(self, stamp):
-        self.stamp = stamp
-
 
 def clear():
     """Forget every recorded call (after changing a setting the calls read: see above)."""
@@ -62,13 +54,7 @@ def clear():
 def lookup(key, stamp):
     """The tape recorded for ``key`` under ``stamp`` (what else decides the steps: the autotuner
     in use), ``NEVER`` for a key whose call could not be replayed, else None."""
-    try:
-        tape = _TAPES.get(key)
-    except TypeError:                                   # an unhashable option
-        return NEVER
-    if tape is None or tape.stamp is not stamp:
-        return None
-    return NEVER if isinstance(tape, _Never) else tape
+    return lookup_in(_TAPES, key, stamp)
 
 
 def taped(key, stamp, fn, inputs):
@@ -86,12 +72,7 @@ def taped(key, stamp, fn, inputs):
     with tape.recording():
         results = fn(*inputs)
     tape.finish(results)
-    if len(_TAPES) >= CACHE_SIZE:
-        try:
-            _TAPES.pop(next(iter(_TAPES)), None)        # the oldest (another thread may too)
-        except (RuntimeError, StopIteration):
-            pass
-    _TAPES[key] = tape if tape.usable else _Never(stamp)
+    keep_in(_TAPES, key, tape, CACHE_SIZE)
     return results
 
 

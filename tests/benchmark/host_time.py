@@ -101,7 +101,7 @@ def main(argv=None):
             dt_softplus=True))
         if args.profile:
             print_profile(call, 500)
-    rows.update(training_step_rows(kw, q, capture_graph, profile=args.profile))
+    rows.update(training_step_rows(kw, q, profile=args.profile))
     for name, seconds in rows.items():
         print(f"{name:40s} {seconds * 1e3:8.4f} ms")
     print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")
@@ -112,13 +112,14 @@ def main(argv=None):
                                   torch=torch.__version__) for name, seconds in rows.items()])
 
 
-def training_step_rows(kw, chunk_size, capture_graph, profile=False):
+def training_step_rows(kw, chunk_size, profile=False):
     """A training step (the forward with every float input requiring a gradient, then
     ``backward`` of a fixed output gradient): taped (``ops/runtime/tape.py``: after the first
     step, each pass replays the first's torch ops and launches), with the tape switched off
     (plans, configs and checks every time), and captured in a CUDA graph and replayed."""
     import ops.torch_op
     from ops import mamba_chunk_scan_combined
+    from tests.benchmark import capture_graph
     leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())
               for k, v in kw.items() if v is not None}
     dout = torch.randn_like(leaves["x"])
