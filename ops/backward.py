@@ -21,20 +21,22 @@ the specification, step by step, and names the same quantities):
                            ddA_cumsum, dD's partials: compute_out's gradients, those through
                            each chunk's own state (bwd_chunk_states' work, fused: FUSE_STATES)
                            and the skip's
-    (a) bwd_chunk_cumsum   ddt_out, ddA_cumsum (the three steps' contributions summed)
+    (a) bwd_chunk_cumsum   ddt_out, ddA_cumsum (the three steps' contributions summed: the
+                           terms at each chunk's last token, the pass' and the token tiles',
+                           come as partials that this kernel sums where it reads ddA_cumsum)
                            -> ddt, dA, ddt_bias
 
-and the host adds what remains: dB and dC's head-split partials, d dA at each chunk's last token
-(the pass' term and the token tiles' sums), dD's token-tile partials; dA and ddt_bias are the
-cumsum kernel's per-chunk partials summed. Every sum runs in a fixed order (no atomics), so the
-gradients are bitwise reproducible. With z, the token kernel's skip terms (D dy and dD's sum of
-dy x) read dy as rounded to x's dtype, the kernels' operand, where the specification takes it
-in float32: one more rounding of dy (bf16: 2**-9 relative) in those two terms; without z, dy is
-dout itself and nothing changes. With ``configs={"bwd_compute_out": {"FUSE_STATES": False}}``
-(without the pair kernel, the default at dstate 256 from 16K tokens:
-``bwd_compute_out.fuse_states``) the token launch
-leaves the states' gradients to ``bwd_chunk_states``, launched after it, which adds its dx,
-ddt_out and ddA_cumsum into the token launch's (then float32) ones.
+and the host adds what remains: dB and dC's head-split partials, dD's token-tile partials; dA
+and ddt_bias are the cumsum kernel's per-chunk partials summed. Every sum runs in a fixed order
+(no atomics), so the gradients are bitwise reproducible. With z, the token kernel's skip terms
+(D dy and dD's sum of dy x) read dy as rounded to x's dtype, the kernels' operand, where the
+specification takes it in float32: one more rounding of dy (bf16: 2**-9 relative) in those two
+terms; without z, dy is dout itself and nothing changes. With
+``configs={"bwd_compute_out": {"FUSE_STATES": False}}`` (without the pair kernel, the default at
+dstate 256 from 16K tokens: ``bwd_compute_out.fuse_states``) the token launch leaves the states'
+gradients to ``bwd_chunk_states``, launched after it, which adds its dx, ddt_out and ddA_cumsum
+into the token launch's (then float32) ones, and its own last-token partials for
+``bwd_chunk_cumsum`` to sum.
 
 Memory (bytes beyond the inputs and dout, at batch 8 x 2K tokens, 80 heads of 64 x 128, 1 group,
 bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
@@ -90,18 +92,19 @@ import torch
 
 from . import forward as forward_module
 from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum
-from ops.kernels.backward.bwd_chunk_states import bwd_chunk_states
+from ops.kernels.backward.bwd_chunk_states import bwd_chunk_states_plan
 from ops.kernels.backward.bwd_chunk_states import default_config as chunk_states_config
 from ops.kernels.backward.bwd_compute_out import bwd_compute_out_plan
 from ops.kernels.backward.bwd_compute_out import resolved_config as compute_out_resolved
 from ops.kernels.backward.bwd_compute_out import launch_slices as compute_out_slices
-from ops.kernels.backward.bwd_pass_state import bwd_pass_state
+from ops.kernels.backward.bwd_pass_state import bwd_pass_state_plan
 from ops.kernels.backward.bwd_pass_state import default_config as pass_state_config
 from ops.kernels.backward.bwd_pass_state import walk_config as pass_state_walk
 from ops.tuning.compute_chunk import kernel_chunk
 from ops.tuning.configs import resolve_config
 from ops.runtime.launch import run
 from ops.inputs import as_kernel_input, check_values
+from ops.checks import tile_size
 from ops.kernels.common import as_int32
 
 Tensor = torch.Tensor
@@ -175,8 +178,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
     walk_shape = dict(headdim=headdim, dstate=dstate, dtype=entry_dtype)
-    fuse_entry = resolve_config(backward_config(configs, "bwd_pass_state", **walk_shape),
-                                pass_state_config(**walk_shape))["FUSE_ENTRY"]
+    ps_cfg = resolve_config(backward_config(configs, "bwd_pass_state", **walk_shape),
+                            pass_state_config(**walk_shape))
+    fuse_entry = ps_cfg["FUSE_ENTRY"]
     dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
     width = nheads * headdim
     slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
@@ -186,7 +190,11 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     dy = {"dy (x's dtype)": tokens * e} if z else {}          # else dout itself
     dinit = {"dinitial": final} if initial_states else {}
     kept["dD"] = nheads * headdim * f32                       # (h,) or (h, p): at most this
-    last = {"d dA[last] (b, h, c)": chunked // chunk_size}    # the pass' term, until added
+    # the pass' term of d dA at each chunk's last token, one partial per state tile, alive until
+    # bwd_chunk_cumsum sums it (as the token tiles' ddA_tiles, when the token kernel is fused)
+    ps_tiles = (-(-headdim // min(ps_cfg["BLOCK_P"], tile_size(headdim)))
+                * -(-dstate // min(ps_cfg["BLOCK_N"], tile_size(dstate))))
+    last = {"d dA[last] partials": chunked // chunk_size * ps_tiles}
     recompute = {**base, "entry states": states * se, "final state": final}
     if z:
         recompute["y (pre-gate)"] = tokens * e
@@ -201,8 +209,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     token_parts = {"dD partials": batch * tiles * nheads * headdim * f32}
     # the states launch's dstate slices (SPLIT_DX): a ddA tile sum and a ddt and ddA term each
     slices = compute_out_slices(out_cfg)
+    ends = {}                               # alive until bwd_chunk_cumsum sums them
     if fused:
-        token_parts["ddA_tiles"] = chunked // out_cfg["BLOCK_T"] * slices
+        token_parts["ddA_tiles"] = ends["ddA_tiles"] = chunked // out_cfg["BLOCK_T"] * slices
     else:                                   # one-element tensors passed for dS and ddA_tiles
         token_parts["unread stand-ins"] = 2 * f32
     # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY)
@@ -223,8 +232,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         "gate": gate,
         "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se, **dentry},
         "pass_state": {**base, **kept, **dy, "entry states": states * se,
-                       **dentry, "dS": states * ds, "dinitial": final,
-                       "d dA[last] partials": chunked // chunk_size * 2},
+                       **dentry, "dS": states * ds, "dinitial": final, **last},
         "compute_out's tokens": {**base, **kept, **dy, **dinit, **last, "entry states": states * se,
                                  "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
                                  "dB, dC partials": 2 * out_splits * groups, **token_parts,
@@ -234,8 +242,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
                                       "dB, dC partials": 2 * out_splits * groups,
                                       "dB, dC (their sums)": 2 * split_sum(out_splits),
                                       **token_parts},
-        "chunk_cumsum": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
-                         "ddt_out, ddA": 2 * chunked,
+        "chunk_cumsum": {**base, **kept, **dinit, **last, **dx, "dB, dC": 2 * groups,
+                         "ddt_out, ddA": 2 * chunked, **ends,
                          "ddt (b, L, h)": batch * seqlen * nheads * f32},
         "gradients in x's dtype": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
                                    "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
@@ -252,6 +260,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
             "chunk_states' dB (their sum)": split_sum(cs_splits),
             "chunk_states' ddA_tiles": chunked // cs_cfg["BLOCK_T"],
             "dD partials": token_parts["dD partials"]}
+        steps["chunk_cumsum"]["chunk_states' ddA_tiles"] = chunked // cs_cfg["BLOCK_T"]
         if e != f32:
             steps["gradients in x's dtype"]["dx in x's dtype"] = tokens * e
     totals = {k: sum(v.values()) for k, v in steps.items()}
@@ -409,10 +418,11 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
                                            launches="entry"))
     # bf16 inputs: the products round dS to bf16, so it is stored so.
     ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-    dS, ddA_last, dinitial = bwd_pass_state(dentry, dfinal, entry, dA_cumsum, seq_idx,
-                                            poison=poison, config=ps_config, ds_dtype=ds_dtype,
-                                            dy=dy if fuse_entry else None,
-                                            C=C_ if fuse_entry else None)
+    # (ddA's term at each chunk's last token as partials, one per state tile: bwd_chunk_cumsum
+    # sums them where it reads ddA)
+    dS, ddA_last_parts, dinitial = run(bwd_pass_state_plan(
+        dentry, dfinal, entry, dA_cumsum, seq_idx, poison=poison, config=ps_config,
+        ds_dtype=ds_dtype, dy=dy if fuse_entry else None, C=C_ if fuse_entry else None))
     del dentry
     if initial_states is None:
         del dinitial                           # no input to give it to
@@ -429,37 +439,40 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     del dC_parts
     if fused:
         del dS
-        # the states' term at each chunk's last token (added in place through a view: two
-        # dispatched operators, not the five of an indexed +=, each host time in a small step)
-        ddA.select(-1, -1).add_(ddA_tiles.sum(-1))
-        del ddA_tiles
+        # the states' term at each chunk's last token, as partials per token tile, is summed
+        # by bwd_chunk_cumsum where it reads ddA (before the pass' term, as the terms' order)
+        chunk_ends = (ddA_tiles, ddA_last_parts)
         if configs.get("bwd_chunk_states") is not None:
             # unused, but a typo in it must not pass unnoticed
             resolve_config(configs["bwd_chunk_states"], chunk_states_config(
                 chunk_size=chunk_size, nheads=x.shape[2], ngroups=B.shape[2], batch=batch,
                 seqlen=seqlen))
     else:
-        # chunk_states adds its dx, ddt_out and ddA_cumsum into compute_out's (no second dx)
-        dx, dB_s, ddt, ddA = bwd_chunk_states(dS, x_, B_, dt_out, dA_cumsum, seq_idx,
-                                              poison=poison,
-                                              config=configs.get("bwd_chunk_states"),
-                                              accumulate=(dx, ddt, ddA))
+        # chunk_states adds its dx, ddt_out and ddA_cumsum into compute_out's (no second dx);
+        # its term at each chunk's last token comes as partials per token tile, like the fused
+        # kernel's
+        dx, dB_s, ddt, ddA, ddA_tiles = run(bwd_chunk_states_plan(
+            dS, x_, B_, dt_out, dA_cumsum, seq_idx, poison=poison,
+            config=configs.get("bwd_chunk_states"), accumulate=(dx, ddt, ddA)))
         del dS
-        dB += dB_s                             # chunk_states' dB, summed over the group's heads
+        # chunk_states' dB, summed over the group's heads (its head splits' partials in order)
+        dB += dB_s[0] if dB_s.shape[0] == 1 else dB_s.sum(0)
         del dB_s
-    ddA.select(-1, -1).add_(ddA_last)          # the pass' term, at each chunk's last token
-    del ddA_last
+        chunk_ends = (ddA_tiles, ddA_last_parts)
+    del ddA_tiles, ddA_last_parts
     dD = None
     if D is not None and "D" in wanted:
-        dD = dD_parts.sum((0, 1))              # the token tiles' partials, in a fixed order
+        # the token tiles' partials, in a fixed order (and over p too for a 1-d D)
+        dD = dD_parts.sum((0, 1) if D.dim() == 2 else (0, 1, 3))
     del dD_parts
     ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt, ddA, dt_, A.contiguous(),
                                          None if dt_bias is None else dt_bias.contiguous(),
                                          dt_softplus, dt_limit, poison=poison,
-                                         config=configs.get("bwd_chunk_cumsum"))
-    del ddA
+                                         config=configs.get("bwd_chunk_cumsum"),
+                                         chunk_ends=chunk_ends)
+    del ddA, chunk_ends
     if dD is not None:
-        grads["dD"] = (dD.sum(-1) if D.dim() == 1 else dD).to(out_dtype("D"))
+        grads["dD"] = dD.to(out_dtype("D"))
     grads.update(dx=dx.to(out_dtype("x")), ddt=ddt.to(out_dtype("dt")), dA=dA.to(out_dtype("A")),
                  dB=dB.to(out_dtype("B")), dC=dC.to(out_dtype("C")))
     del dx

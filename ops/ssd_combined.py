@@ -68,7 +68,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     """
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     replay_key = known = None
-    if cu_seqlens is None and not return_varlen_states:
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    if cu_seqlens is None and not return_varlen_states and not grad:
         # A call like an earlier eager one replays its launches (ops/runtime/replay.py): the checks
         # below passed for the same shapes and options then, and the configs are the same.
         if (isinstance(seq_idx, torch.Tensor) and seq_idx.dtype in _OTHER_INTEGERS
@@ -104,7 +105,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
           and all(t is None or type(t) in replay.PLAIN
                   for t in tensors + (seq_idx, cu_seqlens))):
         # Eager with a gradient: the operator's work and its backward, without its dispatch.
-        out, final_states, varlen_states = EagerAutograd.apply(
+        out, final_states, varlen_states = EagerAutograd.use().apply(
             *tensors, seq_idx, cu_seqlens, dict(backend=resolved, **options))
     elif wants_grad or torch.compiler.is_compiling() or type(x) is not torch.Tensor:
         # Traced (torch.compile, export, fake tensors), or a gradient of a tensor subclass: the

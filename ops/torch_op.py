@@ -180,7 +180,7 @@ def _gradients(ctx, dout, dfinal, eager):
             if cu_seqlens is None:
                 key, stamp = replay_key(args, ("backward", tuple(o.items()), tuple(wanted)))
             grads = taped(key, stamp, lambda *a: ssd_backward(*a, **options), args)
-    return tuple(g.to(t.dtype) if want else None
+    return tuple((g if g.dtype == t.dtype else g.to(t.dtype)) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
 
 
@@ -190,35 +190,67 @@ _GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 ssd_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _eager_forward(inputs):
+    *tensors, options = inputs
+    seq_idx, cu_seqlens = tensors[9:]
+    key = stamp = None
+    if seq_idx is None and cu_seqlens is None and not options["with_varlen"]:
+        # no sequence ids to check: the call's host work is taped (ops.runtime.tape)
+        key, stamp = replay_key(tensors, ("forward", tuple(options.items())))
+    return taped(key, stamp, lambda *t: forward(*t, **options), tensors)
+
+
+def _save_inputs(ctx, inputs, output):
+    *tensors, ctx.options = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.set_materialize_grads(False)      # as the operator's (_setup_context)
+
+
 class EagerAutograd(torch.autograd.Function):
     """The operator's forward and backward for eager calls that need a gradient, without the
     custom operators' dispatch: the same work (``forward``, then ``ops.backward.ssd_backward``)
     and the same saved inputs, with less host time per training step (PERF_NOTES.md, "Eager
     training steps go through a plain torch.autograd.Function"); at small shapes the host, not
-    the GPU, sets a step's time. Traced calls (torch.compile) and tensor subclasses take the operator.
-    ``options``: the operator's keyword arguments, as a dict."""
+    the GPU, sets a step's time. Traced calls (torch.compile) and tensor subclasses take the
+    operator. ``options``: the operator's keyword arguments, as a dict.
 
-    # forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, options),
-    # taken as *inputs: apply binds the arguments to this signature on every call (for
-    # setup_context), much faster for one starred parameter than for twelve
-    @staticmethod
-    def forward(*inputs):
-        *tensors, options = inputs
-        seq_idx, cu_seqlens = tensors[9:]
-        key = stamp = None
-        if seq_idx is None and cu_seqlens is None and not options["with_varlen"]:
-            # no sequence ids to check: the call's host work is taped (ops.runtime.tape)
-            key, stamp = replay_key(tensors, ("forward", tuple(options.items())))
-        return taped(key, stamp, lambda *t: forward(*t, **options), tensors)
+    The forward takes ``ctx`` and saves the inputs itself: a Function with ``setup_context``
+    has its arguments bound to ``forward``'s signature by ``inspect`` on every call (about
+    13 us of host time on a CPU host), which only torch.func's transforms need; under one,
+    ``mamba_chunk_scan_combined`` applies ``TransformableEagerAutograd`` instead (``use``)."""
 
+    # forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, options)
     @staticmethod
-    def setup_context(ctx, inputs, output):
-        *tensors, ctx.options = inputs
-        ctx.save_for_backward(*tensors)
-        ctx.set_materialize_grads(False)      # as the operator's (_setup_context)
+    def forward(ctx, *inputs):
+        outputs = _eager_forward(inputs)
+        _save_inputs(ctx, inputs, outputs)
+        return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable     # as the operator: no double backward
     def backward(ctx, dout, dfinal, dvarlen):
         # traced by compiled autograd: through the opaque backward operator
         return _gradients(ctx, dout, dfinal, eager=not torch.compiler.is_compiling()) + (None,)
+
+    @staticmethod
+    def use():
+        """The Function class for this call: ``TransformableEagerAutograd`` under a torch.func
+        transform (which needs ``setup_context``), else this one."""
+        if torch._C._are_functorch_transforms_active():
+            return TransformableEagerAutograd
+        return EagerAutograd
+
+
+class TransformableEagerAutograd(torch.autograd.Function):
+    """``EagerAutograd`` as torch.func's transforms need it: the forward without ``ctx``, the
+    inputs saved by ``setup_context``."""
+
+    # forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, options),
+    # taken as *inputs: apply binds the arguments to this signature on every call, much faster
+    # for one starred parameter than for twelve
+    @staticmethod
+    def forward(*inputs):
+        return _eager_forward(inputs)
+
+    setup_context = staticmethod(_save_inputs)
+    backward = staticmethod(EagerAutograd.backward)

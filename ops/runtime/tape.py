@@ -32,6 +32,7 @@ without an operator (``.tolist()``, ``.numpy()``), and a module-level setting re
 the old setting made.
 """
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -241,7 +242,9 @@ class Tape:
         """Each step as the replay runs it: every argument a position in the call's list of
         slots, whose template holds the kept values after the call's own slots (one list
         indexing per argument, no per-argument branching); an argument list holding a sequence
-        of tensors (rare) keeps its specs (a launch's in the place of an operator's outputs)."""
+        of tensors (rare) keeps its specs (a launch's in the place of an operator's outputs).
+        An operator is called through its own Python binding where ``_fast_call`` has one
+        (kept last in the step; the step's second item stays the operator, for readers)."""
         values = []
 
         def position(spec):
@@ -257,19 +260,24 @@ class Tape:
                 _, func, args, kwargs, out, _, released = step
                 specs = args + tuple(s for _, s in kwargs)
                 if any(kind == _SEQUENCE for kind, _ in specs):
-                    compiled.append((_OP, func, (args, kwargs), None, out, released))
+                    compiled.append((_OP, func, (args, kwargs), None, out, released, func))
                     continue
                 fixed = {k: w for k, (kind, w) in kwargs if kind == _VALUE}
                 taken = tuple((k, what) for k, (kind, what) in kwargs if kind == _SLOT)
+                call = _fast_call(func, fixed) if not taken else None
+                if call is None:
+                    call = getattr(func, "_op", func)      # OpOverload.__call__ without its frame
+                else:
+                    fixed = {}
                 compiled.append((_OP, func, (fixed, taken), tuple(position(a) for a in args),
-                                 out, released))
+                                 out, released, call))
             else:
                 _, grid, kernel, args, released = step
                 if any(kind == _SEQUENCE for kind, _ in args):      # kept as specs
-                    compiled.append((_LAUNCH, grid, kernel, None, args, released))
+                    compiled.append((_LAUNCH, grid, kernel, None, args, released, None))
                 else:
                     compiled.append((_LAUNCH, grid, kernel, tuple(position(a) for a in args),
-                                     None, released))
+                                     None, released, None))
         self.steps = compiled
         self.template = [None] * self.nslots + values
 
@@ -283,7 +291,7 @@ class Tape:
         device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
         launch = _launcher(device)
         pick = slots.__getitem__
-        for kind, what, how, args, out, released in self.steps:
+        for kind, what, how, args, out, released, call in self.steps:
             if kind == _LAUNCH:
                 if args is None:                    # a sequence of tensors among the arguments
                     launch(what, how, tuple(_arg(slots, s) for s in out))
@@ -292,13 +300,13 @@ class Tape:
             else:
                 if args is None:                    # a sequence of tensors among the arguments
                     specs, kwargs = how
-                    value = what(*[_arg(slots, s) for s in specs],
+                    value = call(*[_arg(slots, s) for s in specs],
                                  **{k: _arg(slots, s) for k, s in kwargs})
                 else:
                     fixed, taken = how
                     if taken:
                         fixed = {**fixed, **{k: slots[i] for k, i in taken}}
-                    value = what(*map(pick, args), **fixed)
+                    value = call(*map(pick, args), **fixed)
                 if type(out) is int:
                     slots[out] = value
                 elif out is not None:
@@ -307,6 +315,70 @@ class Tape:
             for slot in released:
                 slots[slot] = None
         return self.result_type(slots[s] for s in self.results)
+
+
+# Operators called through their own Python bindings on replay ----------------------------------
+#
+# Calling an operator overload (``torch.ops.aten.empty.memory_format(size, dtype=...)``) converts
+# its arguments through the operator's schema, generically: several microseconds more per call
+# than the function PyTorch binds for it (``torch.empty``), whose argument parsing is generated.
+# A tape replays mostly allocations, sums, conversions and views, so those few are replayed
+# through their bindings, with the same arguments, where the recorded call used only what the
+# binding means too (a strided, unpinned, contiguous allocation, say); any other call, and any
+# other operator, is replayed through the overload itself.
+
+def _plain_factory(kwargs, extra=()):
+    """An allocation's keyword arguments say nothing but its dtype and device (and ``extra``)."""
+    return (kwargs.keys() <= {"dtype", "layout", "device", "pin_memory", "memory_format",
+                              *extra}
+            and kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory")
+            and kwargs.get("memory_format") in (None, torch.contiguous_format))
+
+
+def _fast_empty(kwargs):
+    if not _plain_factory(kwargs):
+        return None
+    return functools.partial(torch.empty, dtype=kwargs.get("dtype"), device=kwargs.get("device"))
+
+
+def _fast_new_empty(kwargs):
+    if not _plain_factory(kwargs):
+        return None
+    return functools.partial(torch.Tensor.new_empty, dtype=kwargs.get("dtype"),
+                             device=kwargs.get("device"))
+
+
+def _fast_to_copy(kwargs):
+    if kwargs.keys() != {"dtype"}:
+        return None
+    dtype = kwargs["dtype"]
+    return lambda t: t.to(dtype, copy=True)       # a copy in that dtype, strides preserved
+
+
+def _with_kwargs(function, allowed):
+    return lambda kwargs: (functools.partial(function, **kwargs) if kwargs.keys() <= allowed
+                           else None)
+
+
+_FAST = {}
+
+
+def _fast_call(func, kwargs):
+    """A callable equal to ``func(*args, **kwargs)`` for every ``args``, through a faster
+    binding, or None (then the overload is called)."""
+    if not _FAST:
+        aten = torch.ops.aten
+        _FAST.update({
+            aten.empty.memory_format: _fast_empty,
+            aten.new_empty.default: _fast_new_empty,
+            aten._to_copy.default: _fast_to_copy,
+            aten.sum.dim_IntList: _with_kwargs(torch.sum, {"dtype"}),
+            aten.select.int: _with_kwargs(torch.select, set()),
+            aten.add_.Tensor: _with_kwargs(torch.Tensor.add_, {"alpha"}),
+            aten.clone.default: _with_kwargs(torch.clone, {"memory_format"}),
+        })
+    fast = _FAST.get(func)
+    return None if fast is None else fast(kwargs)
 
 
 def _holds_tensor(value):

@@ -45,13 +45,53 @@ def test_matches_the_reference(device, options, with_bias, seqlen, nheads):
             assert g_.dtype == torch.float32 and rel_err(g_.cpu(), w) < 1e-5, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("widths", [(3,), (4, 5), (1, 16)], ids=["one", "two-ragged", "two"])
+def test_chunk_end_partials_are_summed_in(device, widths):
+    """``chunk_ends``: partial sums of ddA's terms at each chunk's last token, summed by the
+    kernel where it reads ddA (widths not a power of two load padded with zeros), give the
+    reference's gradients for ddA with those sums added there first (in float64)."""
+    kw = make_problem(batch=2, seqlen=77, nheads=20, headdim=8, ngroups=1, dstate=16,
+                      dtype=torch.float32, seed=9)
+    g = torch.Generator().manual_seed(5)
+    ddt_out, ddA = torch.randn(2, 20, 5, 16, generator=g), torch.randn(2, 20, 5, 16, generator=g)
+    ends = [torch.randn(2, 20, 5, w, generator=g) for w in widths]
+    ddA_full = ddA.double().clone()
+    for e in ends:
+        ddA_full[..., -1] += e.double().sum(-1)
+    options = dict(dt_softplus=True, dt_limit=(0.0, 1.5))
+    want = chunk_cumsum_backward(ddt_out.double(), ddA_full, kw["dt"].double(),
+                                 kw["A"].double(), 16, kw["dt_bias"].double(), **options)
+    to = lambda t: t.to(device)
+    got = bwd_chunk_cumsum(to(ddt_out), to(ddA), to(kw["dt"]), to(kw["A"]), to(kw["dt_bias"]),
+                           poison=True, chunk_ends=[to(e) for e in ends], **options)
+    for name, g_, w in zip(("ddt", "dA", "ddt_bias"), got, want, strict=True):
+        assert rel_err(g_.cpu(), w) < 1e-5, name
+    plain = bwd_chunk_cumsum(to(ddt_out), to(ddA), to(kw["dt"]), to(kw["A"]), to(kw["dt_bias"]),
+                             **options)
+    assert rel_err(plain[1].cpu(), want[1]) > 1e-3          # the partials matter here
+
+
+def test_chunk_ends_are_checked():
+    args = meta_args(1, 4096)
+    ok = torch.empty(1, 80, 16, 2, device="meta")
+    for bad, match in (((ok, ok, ok), "at most two"),
+                       ((torch.empty(1, 80, 15, 2, device="meta"),), r"\(1, 80, 16\)"),
+                       ((ok.to(torch.bfloat16),), "float32"),
+                       ((ok[..., :0],), "1..1024 parts"),
+                       (("x",), "got str")):
+        with pytest.raises(ValueError, match=match):
+            bwd_chunk_cumsum_plan(*args, chunk_ends=bad)
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_100"])
 def test_compiles(arch):
     from ops.tools.aot import compile_cubin
     meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
     plan = bwd_chunk_cumsum_plan(meta(1, 80, 64, 256), meta(1, 80, 64, 256),
                                  meta(1, 16384, 80, dt=torch.bfloat16), meta(80), meta(80),
-                                 dt_softplus=True)
+                                 dt_softplus=True, chunk_ends=(meta(1, 80, 64, 4),
+                                                               meta(1, 80, 64, 2)))
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
 
 

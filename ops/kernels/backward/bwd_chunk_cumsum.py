@@ -14,6 +14,14 @@ One block takes one chunk of BLOCK_H heads, as the forward does (the same transp
 dt). The per-chunk partials of dA and ddt_bias are summed over chunks and batch on the host, in
 a fixed order. ``reference.backward.chunk_cumsum_backward`` is the specification.
 
+Two later steps' terms of ddA sit at each chunk's last token only, and come as partial sums that
+no block of theirs could finish without atomics: the state pass' (one per state tile) and, with
+the fused token kernel, the chunk's own state's (one per token tile). The block that reads the
+chunk's ddA sums them itself (``chunk_ends``: up to two (batch, nheads, nchunks, parts) float32
+arrays, each summed over its last axis and added at the chunk's last token, in the order given),
+so the host need not: at a small step each host operator costs about as much time as the
+kernel (``ops/runtime/tape.py``).
+
 Tunables (``default_config`` / ``search_space``), as the forward's: BLOCK_H, LOAD_LAT (latency
 hint of the dt, ddt_out and ddA loads), STORE_LAT (of the ddt store) and the compiler hint
 occupancy. The kernel moves ~20 bytes per token and head, a small share of the backward.
@@ -40,6 +48,8 @@ def bwd_chunk_cumsum_kernel(
     ddt: ct.IndexedWithInt64,         # (batch, seqlen, nheads) float32
     dA_parts,                         # (batch, nchunks, nheads) float32
     dbias_parts,                      # (batch, nchunks, nheads) float32
+    end_a,                            # (batch, nheads, nchunks, END_A) float32 partials of the
+    end_b,                            #   chunk-end terms (END_* 0: none, a dummy), see above
     dt_min: float,
     dt_max: float,
     CHUNK: ConstInt,
@@ -48,6 +58,8 @@ def bwd_chunk_cumsum_kernel(
     DT_SOFTPLUS: ConstBool,
     LOAD_LAT: ConstInt,               # latency hint of the dt, ddt_out and ddA loads; 0 = none
     STORE_LAT: ConstInt,              # latency hint of the ddt store; 0 = none
+    END_A: ConstInt,                  # end_a's parts rounded up to a power of two (0: none)
+    END_B: ConstInt,
 ):
     c, hb, b = ct.bid(0), ct.bid(1), ct.bid(2)
     seqlen = dt.shape[1]
@@ -74,6 +86,11 @@ def bwd_chunk_cumsum_kernel(
     g_dA = ct.reshape(ct.load(ddA, (b, hb, c, 0), shape=(1, BLOCK_H, 1, CHUNK),
                               padding_mode=ZERO, latency=latency_hint(LOAD_LAT)),
                       (BLOCK_H, CHUNK))
+    last = (ct.arange(CHUNK, dtype=ct.int32) == CHUNK - 1)[None, :]
+    if END_A > 0:
+        g_dA = g_dA + ct.where(last, chunk_end_sum(end_a, b, hb, c, BLOCK_H, END_A), 0.0)
+    if END_B > 0:
+        g_dA = g_dA + ct.where(last, chunk_end_sum(end_b, b, hb, c, BLOCK_H, END_B), 0.0)
     a = ct.load(A, (hb,), shape=(BLOCK_H,), padding_mode=ZERO).astype(ct.float32)
     dprod = ct.cumsum(g_dA, axis=1, reverse=True)                  # d (dt_out * A)
     g = ct.where(passed, (g_out + dprod * a[:, None]) * slope, 0.0)
@@ -81,6 +98,13 @@ def bwd_chunk_cumsum_kernel(
              latency=latency_hint(STORE_LAT))
     ct.store(dA_parts, (b, c, hb), ct.reshape(ct.sum(dprod * dt_out, axis=1), (1, 1, BLOCK_H)))
     ct.store(dbias_parts, (b, c, hb), ct.reshape(ct.sum(g, axis=1), (1, 1, BLOCK_H)))
+
+
+def chunk_end_sum(parts, b, hb, c, BLOCK_H, WIDTH):
+    """The sum of one chunk's partials for BLOCK_H heads, as a (BLOCK_H, 1) column (parts past
+    the array's last axis load as zeros)."""
+    tile = ct.load(parts, (b, hb, c, 0), shape=(1, BLOCK_H, 1, WIDTH), padding_mode=ZERO)
+    return ct.sum(ct.reshape(tile, (BLOCK_H, WIDTH)), axis=1)[:, None]
 
 
 # Configs and launching -------------------------------------------------------------------------
@@ -104,12 +128,16 @@ def search_space(*, nheads, **shape):
 
 
 def bwd_chunk_cumsum_plan(ddt_out, ddA, dt, A, dt_bias=None, dt_softplus=False,
-                          dt_limit=(0.0, math.inf), block_h=None, poison=False, config=None):
+                          dt_limit=(0.0, math.inf), block_h=None, poison=False, config=None,
+                          chunk_ends=()):
     """The launch (an ``ops.runtime.launch.Plan``; outputs ddt, the per-chunk partials of dA and of
     ddt_bias). ``config``: a dict from ``search_space`` (or part of one; missing keys take
-    ``default_config``'s values); ``block_h``, when given, overrides its BLOCK_H."""
+    ``default_config``'s values); ``block_h``, when given, overrides its BLOCK_H.
+    ``chunk_ends``: up to two (batch, nheads, nchunks, parts) float32 arrays whose sums over
+    their last axis are terms of ddA at each chunk's last token (see above)."""
     batch, seqlen, nheads = dt.shape
     nchunks, chunk_size = ddt_out.shape[2], ddt_out.shape[3]
+    ends = _check_chunk_ends(chunk_ends, (batch, nheads, nchunks))
     cfg = resolve_config(config, default_config(nheads=nheads))
     block_h = block_h or cfg["BLOCK_H"]
     if not is_pow2_in(block_h, 1, 1024):
@@ -118,19 +146,38 @@ def bwd_chunk_cumsum_plan(ddt_out, ddA, dt, A, dt_bias=None, dt_softplus=False,
     dA_parts = new_output((batch, nchunks, nheads), torch.float32, dt.device, poison)
     dbias_parts = new_output((batch, nchunks, nheads), torch.float32, dt.device, poison)
     bias = dt_bias if dt_bias is not None else unread_stand_in(dt.device)
-    args = (ddt_out, ddA, dt, A, bias, ddt, dA_parts, dbias_parts, float(dt_limit[0]),
+    widths = [next_pow2(e.shape[3]) for e in ends] + [0] * (2 - len(ends))
+    ends = list(ends) + [unread_stand_in(dt.device, 4)] * (2 - len(ends))
+    args = (ddt_out, ddA, dt, A, bias, ddt, dA_parts, dbias_parts, *ends, float(dt_limit[0]),
             float(dt_limit[1]), chunk_size, block_h, dt_bias is not None, bool(dt_softplus),
-            cfg["LOAD_LAT"], cfg["STORE_LAT"])
+            cfg["LOAD_LAT"], cfg["STORE_LAT"], *widths)
     kernel = with_hints(fit_index_width(bwd_chunk_cumsum_kernel, args, cfg["INDEX64"]), cfg)
     return Plan((nchunks, cdiv(nheads, block_h), batch), kernel, args,
                 (ddt, dA_parts, dbias_parts))
 
 
+def _check_chunk_ends(chunk_ends, chunks):
+    """``chunk_ends`` as a tuple of at most two (*chunks, parts) float32 arrays, else an error."""
+    ends = tuple(chunk_ends)
+    if len(ends) > 2:
+        raise ValueError(f"chunk_ends takes at most two arrays of partials, got {len(ends)}")
+    for e in ends:
+        if (not isinstance(e, torch.Tensor) or e.dim() != 4 or tuple(e.shape[:3]) != chunks
+                or e.dtype != torch.float32 or not 1 <= e.shape[3] <= 1024):
+            got = (f"{tuple(e.shape)} {e.dtype}" if isinstance(e, torch.Tensor)
+                   else type(e).__name__)
+            raise ValueError(f"chunk_ends must hold float32 arrays (batch, nheads, nchunks) = "
+                             f"{chunks} by 1..1024 parts; got {got}")
+    return ends
+
+
 def bwd_chunk_cumsum(ddt_out, ddA, dt, A, dt_bias=None, dt_softplus=False,
-                     dt_limit=(0.0, math.inf), poison=False, config=None):
+                     dt_limit=(0.0, math.inf), poison=False, config=None, chunk_ends=()):
     """-> (ddt (b, L, h), dA (h,), ddt_bias (h,) or None), float32, like
-    ``reference.backward.chunk_cumsum_backward``."""
+    ``reference.backward.chunk_cumsum_backward`` given ddA with ``chunk_ends``' sums added at
+    each chunk's last token."""
     ddt, dA_parts, dbias_parts = run(bwd_chunk_cumsum_plan(ddt_out, ddA, dt, A, dt_bias,
                                                            dt_softplus, dt_limit, poison=poison,
-                                                           config=config))
+                                                           config=config,
+                                                           chunk_ends=chunk_ends))
     return ddt, dA_parts.sum((0, 1)), None if dt_bias is None else dbias_parts.sum((0, 1))

@@ -326,7 +326,7 @@ def bwd_compute_out_kernel(
                                         # x's dtype; unread unless WITH_STATES
     ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T) float32;
                                         # unwritten unless WITH_STATES
-    D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
+    D: ct.IndexedWithInt64,             # (nheads,) or (nheads, headdim); unread unless WITH_SKIP
     dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials;
                                         # unwritten unless WITH_SKIP
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
@@ -454,8 +454,7 @@ def bwd_compute_out_kernel(
             if WITH_SKIP:
                 # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
                 dy_f32 = dy_t.astype(ct.float32)
-                d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
-                dx_acc = dx_acc + dy_f32 * d_h[None, :]
+                dx_acc = dx_acc + dy_f32 * skip_weight(D, h, P)[None, :]
                 dD_t = ct.sum(dy_f32 * x_t.astype(ct.float32), axis=0)
                 ct.store(dD, (b, tile, h, 0), ct.reshape(dD_t, (1, 1, 1, P)))
             ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
@@ -645,10 +644,21 @@ def own_state_dx(B, dS, dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, g, 
     return ct.mma(b_t, ct.transpose(ds), ct.zeros((BLOCK_T, P), dtype=ct.float32)) * v[:, None]
 
 
+def skip_weight(D, h, P):
+    """Head h's D as a float32 row to scale its (BLOCK_T, P) tiles by: D is (nheads,) or
+    (nheads, headdim), as the caller gave it (a rank known when compiling: each compiles its own
+    code), in any float dtype. A 1-d D is read as one scalar per head, a (1,) row that
+    broadcasts over P, with no (nheads, headdim) copy made first."""
+    if D.ndim == 1:
+        return ct.load(D, (h,), shape=(1,)).astype(ct.float32)
+    row = ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO)
+    return ct.reshape(row, (P,)).astype(ct.float32)
+
+
 def skip_terms(D, dD, x, dx_acc, dy_t, b, tile, h, BLOCK_T, P, LOAD_LAT):
     """The skip out = y + D x for head h's token tile ``tile``: dx_acc plus D dy, returned, and
     dD's partial, the tile's sum of dy x, written."""
-    d_h = ct.reshape(ct.load(D, (h, 0), shape=(1, P), padding_mode=ZERO), (P,))
+    d_h = skip_weight(D, h, P)
     x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
     ct.store(dD, (b, tile, h, 0), ct.reshape(
         ct.sum(dy_t.astype(ct.float32) * x_t.astype(ct.float32), axis=0), (1, 1, 1, P)))
@@ -760,7 +770,7 @@ def bwd_token_dx_kernel(
     state_ddt: ct.IndexedWithInt64,     # bwd_token_states_kernel's terms of ddt and ddA,
     state_ddA: ct.IndexedWithInt64,     # (SLICES, batch, nheads, nchunks, CHUNK) float32
     dS: ct.IndexedWithInt64,            # unread unless WITH_STATES
-    D: ct.IndexedWithInt64,             # (nheads, headdim) float32; unread unless WITH_SKIP
+    D: ct.IndexedWithInt64,             # (nheads,) or (nheads, headdim); unread unless WITH_SKIP
     dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
     cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
@@ -1271,7 +1281,9 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                                device, poison)
     if D is not None:
         dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
-        D = (D[:, None].expand(nheads, headdim) if D.dim() == 1 else D).float().contiguous()
+        # read as given, (h,) or (h, p) (skip_terms); other dtypes than the kernels' as float32
+        D = (D if D.dtype in (torch.float32, torch.bfloat16, torch.float16)
+             else D.float()).contiguous()
     scores, before = None, ()
     stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
     pair_outputs = (None, None, None)
