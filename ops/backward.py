@@ -91,7 +91,6 @@ from typing import Optional
 import torch
 
 from . import forward as forward_module
-from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum
 from ops.kernels.backward.bwd_chunk_states import bwd_chunk_states_plan
 from ops.kernels.backward.bwd_chunk_states import default_config as chunk_states_config
 from ops.kernels.backward.bwd_compute_out import bwd_compute_out_plan
@@ -100,8 +99,14 @@ from ops.kernels.backward.bwd_compute_out import launch_slices as compute_out_sl
 from ops.kernels.backward.bwd_pass_state import bwd_pass_state_plan
 from ops.kernels.backward.bwd_pass_state import default_config as pass_state_config
 from ops.kernels.backward.bwd_pass_state import walk_config as pass_state_walk
+from ops.kernels.backward import bwd_chunk_cumsum as chunk_cumsum_module
+from ops.kernels.backward import bwd_chunk_states as chunk_states_module
+from ops.kernels.backward import bwd_compute_out as compute_out_module
+from ops.kernels.backward import bwd_pass_state as pass_state_module
+from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum_plan
+from ops.tuning.autotune import mode, tuner
 from ops.tuning.compute_chunk import kernel_chunk
-from ops.tuning.configs import resolve_config
+from ops.tuning.configs import resolve_config, unique
 from ops.runtime.launch import run
 from ops.inputs import as_kernel_input, check_values
 from ops.checks import tile_size
@@ -135,6 +140,64 @@ def backward_config(configs, name, **shape):
     the shape, then those of ``configs[name]`` (a missing key: the kernel's default)."""
     chain = BACKWARD_DEFAULTS[name](**shape) if name in BACKWARD_DEFAULTS else {}
     return {**chain, **((configs or {}).get(name) or {})}
+
+# Tuned configs ---------------------------------------------------------------------------------
+#
+# Each backward kernel takes, on a GPU, the tuned config for the shape as the forward's do
+# (``ops/tuning/autotune.py``: a cached search's winner, else the committed table's, else the
+# chain's own choice; ``MAMBA2_CUTILE_AUTOTUNE=1`` searches where the cache does not know the
+# shape, ``=0`` runs the chain's choices). A kernel is timed alone, on the chain's real inputs,
+# among the variants the chain can run in its place (``chain_space``): the others' work does not
+# change with its config. ``python -m ops.tools.tune search --backward`` searches shapes ahead.
+
+BACKWARD_KERNELS = {"bwd_compute_out": compute_out_module, "bwd_pass_state": pass_state_module,
+                    "bwd_chunk_states": chunk_states_module,
+                    "bwd_chunk_cumsum": chunk_cumsum_module}
+
+
+def chain_space(name, shape):
+    """(the config ``kernel_backward`` runs backward kernel ``name`` with at ``shape`` when
+    nothing is tuned, the candidates a search times in its place). ``shape``: batch, seqlen,
+    nheads, headdim, ngroups, dstate, chunk_size, dtype (x's), states_dtype (the entry states'
+    as the kernels read them). The candidates keep what the rest of the chain depends on: the
+    pass over the states forms dentry (FUSE_ENTRY), and the token kernel does or leaves the
+    chunk states' work as the chain's rule says (FUSE_STATES: ``bwd_chunk_states`` runs after
+    it or not, so the two kinds do different work)."""
+    module = BACKWARD_KERNELS[name]
+    sizes = {k: v for k, v in shape.items() if k != "on_gpu"}
+    default, space = module.default_config(**sizes), module.search_space(**sizes)
+    if name == "bwd_pass_state":
+        default = {**default, **pass_state_walk(**sizes)}
+        space = unique([default] + [{**c, "FUSE_ENTRY": True} for c in space])
+    elif name == "bwd_compute_out":
+        space = [c for c in space if c["FUSE_STATES"] == default["FUSE_STATES"]]
+    return default, space
+
+
+def tuned_config(name, configs, shape, features, run):
+    """The config backward kernel ``name`` runs with: the one in ``configs``, else on a GPU the
+    tuned one for ``shape`` (``chain_space``'s; ``features`` as ``ops.forward.tuning_key``
+    takes them), found in the cache or the table or, when a search is asked for, by timing
+    ``run(config)``; None where that is the chain's own choice (also on the CPU interpreter,
+    which is not timed). Memoised per shape, as the forward's."""
+    given = (configs or {}).get(name)
+    if given is not None:
+        return given
+    how = mode() if shape["on_gpu"] else "off"
+    if how == "off":
+        return None
+    memo = tuner().chosen
+    memo_key = (name, features, how, tuple(shape.items()))
+    if memo_key not in memo:
+        default, space = chain_space(name, shape)
+        key, _ = forward_module.tuning_key(name, shape, features, space)
+        if how == "table":
+            found = tuner().lookup(name, key, space, default)
+        else:
+            found = tuner().best(name, key, space, default, run)
+        memo[memo_key] = None if found == default else found
+    return memo[memo_key]
+
 
 # The elementwise gate (and dD when the kernels do not run) runs over slices of at most this many
 # (token x head x headdim) elements: its float32 temporaries stay ~16 MB each instead of x's size
@@ -400,7 +463,14 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     x_, B_, C_, dt_ = x.contiguous(), B.contiguous(), C.contiguous(), dt.contiguous()
     dfinal = None if dfinal is None else dfinal.float().contiguous()
     out_inputs = (dy, x_, B_, C_, dt_out, dA_cumsum, entry, seq_idx)
+    # the shape and features the tuned configs are looked up for (tuned_config)
+    tuning = dict(batch=batch, seqlen=seqlen, nheads=x.shape[2], headdim=x.shape[3],
+                  ngroups=B.shape[2], dstate=B.shape[3], chunk_size=chunk_size, dtype=x.dtype,
+                  states_dtype=entry.dtype, on_gpu=x.is_cuda)
+    features = "".join(flag for flag, t in (("D", D), ("z", z), ("s", seq_idx),
+                                             ("i", initial_states)) if t is not None)
     co_config = configs.get("bwd_compute_out")
+    # (a tuned config keeps the chain's FUSE_STATES: chain_space)
     fused = compute_out_resolved(co_config, chunk_size=chunk_size, headdim=x.shape[3],
                                  dstate=B.shape[3], nheads=x.shape[2], ngroups=B.shape[2],
                                  batch=batch, seqlen=seqlen)["FUSE_STATES"]
@@ -410,27 +480,37 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     # FUSE_ENTRY=False compute_out's dentry launch runs first, and dentry is freed before the
     # token kernel's dx exists (see "Memory").
     walk_shape = dict(headdim=x.shape[3], dstate=B.shape[3], dtype=entry.dtype)
-    ps_config = backward_config(configs, "bwd_pass_state", **walk_shape)
+    # bf16 inputs: the products round dS to bf16, so it is stored so.
+    ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    pass_args = (dfinal, entry, dA_cumsum, seq_idx)
+    pass_options = dict(poison=poison, ds_dtype=ds_dtype, dy=dy, C=C_)
+    tuned = tuned_config("bwd_pass_state", configs, tuning, features, lambda c: run(
+        bwd_pass_state_plan(None, *pass_args, config=c, **pass_options)))
+    ps_config = backward_config({"bwd_pass_state": tuned}, "bwd_pass_state", **walk_shape)
     fuse_entry = resolve_config(ps_config, pass_state_config(**walk_shape))["FUSE_ENTRY"]
     dentry = None
     if not fuse_entry:
         dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,
                                            launches="entry"))
-    # bf16 inputs: the products round dS to bf16, so it is stored so.
-    ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     # (ddA's term at each chunk's last token as partials, one per state tile: bwd_chunk_cumsum
     # sums them where it reads ddA)
-    dS, ddA_last_parts, dinitial = run(bwd_pass_state_plan(
-        dentry, dfinal, entry, dA_cumsum, seq_idx, poison=poison, config=ps_config,
-        ds_dtype=ds_dtype, dy=dy if fuse_entry else None, C=C_ if fuse_entry else None))
+    if not fuse_entry:
+        pass_options.update(dy=None, C=None)
+    dS, ddA_last_parts, dinitial = run(bwd_pass_state_plan(dentry, *pass_args, config=ps_config,
+                                                           **pass_options))
+    del pass_args, pass_options
     del dentry
     if initial_states is None:
         del dinitial                           # no input to give it to
     # The token kernel: compute_out's gradients, the skip's (dx += D dy, dD's partials) and,
     # fused, those through each chunk's own state; then dx is complete, in its final dtype.
+    token_options = dict(poison=poison, launches="tokens", dS=dS if fused else None, D=D,
+                         dx_dtype=out_dtype("x") if fused else torch.float32)
+    co_config = tuned_config("bwd_compute_out", configs, tuning, features, lambda c: run(
+        bwd_compute_out_plan(*out_inputs, config=c, **token_options)))
     dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts = run(bwd_compute_out_plan(
-        *out_inputs, poison=poison, config=co_config, launches="tokens",
-        dS=dS if fused else None, D=D, dx_dtype=out_dtype("x") if fused else torch.float32))
+        *out_inputs, config=co_config, **token_options))
+    del token_options
     del entry, out_inputs, dy                  # (dy: dout itself without z)
     # the head splits' partials, added in a fixed order (one split: the kernel's own sums)
     dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
@@ -451,9 +531,18 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         # chunk_states adds its dx, ddt_out and ddA_cumsum into compute_out's (no second dx);
         # its term at each chunk's last token comes as partials per token tile, like the fused
         # kernel's
+        states_args = (dS, x_, B_, dt_out, dA_cumsum, seq_idx)
+        scratch = []
+
+        def time_states(c):             # a search's runs add into copies (each runs repeatedly)
+            if not scratch:
+                scratch.append((dx.clone(), ddt.clone(), ddA.clone()))
+            return run(bwd_chunk_states_plan(*states_args, config=c, accumulate=scratch[0]))
+        cs_config = tuned_config("bwd_chunk_states", configs, tuning, features, time_states)
+        del scratch
         dx, dB_s, ddt, ddA, ddA_tiles = run(bwd_chunk_states_plan(
-            dS, x_, B_, dt_out, dA_cumsum, seq_idx, poison=poison,
-            config=configs.get("bwd_chunk_states"), accumulate=(dx, ddt, ddA)))
+            *states_args, poison=poison, config=cs_config, accumulate=(dx, ddt, ddA)))
+        del states_args
         del dS
         # chunk_states' dB, summed over the group's heads (its head splits' partials in order)
         dB += dB_s[0] if dB_s.shape[0] == 1 else dB_s.sum(0)
@@ -465,12 +554,17 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         # the token tiles' partials, in a fixed order (and over p too for a 1-d D)
         dD = dD_parts.sum((0, 1) if D.dim() == 2 else (0, 1, 3))
     del dD_parts
-    ddt, dA, ddt_bias = bwd_chunk_cumsum(ddt, ddA, dt_, A.contiguous(),
-                                         None if dt_bias is None else dt_bias.contiguous(),
-                                         dt_softplus, dt_limit, poison=poison,
-                                         config=configs.get("bwd_chunk_cumsum"),
-                                         chunk_ends=chunk_ends)
-    del ddA, chunk_ends
+    cumsum_args = (ddt, ddA, dt_, A.contiguous(),
+                   None if dt_bias is None else dt_bias.contiguous(), dt_softplus, dt_limit)
+    cc_config = tuned_config("bwd_chunk_cumsum", configs, tuning, features, lambda c: run(
+        bwd_chunk_cumsum_plan(*cumsum_args, config=c, chunk_ends=chunk_ends)))
+    ddt, dA_parts, dbias_parts = run(bwd_chunk_cumsum_plan(
+        *cumsum_args, poison=poison, config=cc_config, chunk_ends=chunk_ends))
+    del ddA, chunk_ends, cumsum_args
+    # the chunks' partials of dA and ddt_bias, in a fixed order
+    dA = dA_parts.sum((0, 1))
+    ddt_bias = None if dt_bias is None else dbias_parts.sum((0, 1))
+    del dA_parts, dbias_parts
     if dD is not None:
         grads["dD"] = dD.to(out_dtype("D"))
     grads.update(dx=dx.to(out_dtype("x")), ddt=ddt.to(out_dtype("dt")), dA=dA.to(out_dtype("A")),

@@ -72,15 +72,18 @@ def _choose(name, shape, features, run, how):
     return tuner().best(name, key, space, default, run)
 
 
-def tuning_key(name, shape, features):
+def tuning_key(name, shape, features, space=None):
     """(the tuner's shape key, the search space) of kernel ``name`` at ``shape`` (as
-    ``kernel_forward`` describes a call) with ``features`` ("D", "z", "s", "i" present)."""
+    ``kernel_forward`` describes a call) with ``features`` ("D", "z", "s", "i" present).
+    ``space``: the candidates, where they are not the forward kernel's own search space (the
+    backward's kernels: ``ops.backward.chain_space``)."""
     sizes = {k: v for k, v in shape.items() if k != "on_gpu"}
     key = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
            for k, v in sizes.items()}
     key["seqlen"] = seqlen_bucket(shape["seqlen"])
     key["features"] = features
-    space = KERNELS[name].search_space(**sizes)
+    if space is None:
+        space = KERNELS[name].search_space(**sizes)
     # A fingerprint of the candidates: when a search space changes, its shapes are tuned again
     # instead of reusing a winner picked from the old list.
     key["space"] = hashlib.sha256(repr(space).encode()).hexdigest()[:8]

@@ -1,6 +1,7 @@
 """``python -m ops.tools.tune``: search shapes ahead of time, and turn searches into a table.
 
     python -m ops.tools.tune search --shape batch=8,seqlen=2048,nheads=80 --dstate 128 --jobs 16
+    python -m ops.tools.tune search --backward --chunk 128 --shape batch=8,seqlen=2048,nheads=80
     python -m ops.tools.tune export ~/.cache/mamba2-cutile/autotune.json --out table.json
     python -m ops.tools.tune export new_cache.json --keep ops/tuning/tuned_configs.json   # refresh some shapes
 
@@ -9,6 +10,10 @@ three kernels in parallel worker processes (each launches its candidate once, so
 cache of compiled kernels holds them all), then runs the forward pass with the search switched
 on: the tuner times every candidate -- now without compiling -- and writes the winners to the
 cache. It prints, per kernel, the default's time, the winner's and what each knob gained alone.
+With ``--backward`` it does the same for the backward's four kernels too (``ops.backward``'s
+``chain_space``: the variants the chain can run), through one ``kernel_backward`` call at the
+chunk given, which is the chunk the kernels compute at (a training step's backward computes at
+``ops/tuning/compute_chunk.py``'s chunk, 128 for a caller's 256 on an H200).
 ``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``.
 """
 import argparse
@@ -20,7 +25,8 @@ import time
 
 import torch
 
-from ops import forward
+from ops import backward, forward
+from ops.backward import BACKWARD_KERNELS, chain_space
 from ops.forward import KERNELS
 from ops.tuning import autotune
 from ops.tuning.autotune import TABLE_PATH, export_table
@@ -74,7 +80,10 @@ def _launch_one(name, shape, dtype_name, features, config, device="cuda"):
     dtype = getattr(torch, dtype_name)
     kw = make_inputs(shape, dtype, features, device=device)
     try:
-        forward.kernel_forward(**_forward_args(kw, shape), configs={name: config})
+        if name in BACKWARD_KERNELS:
+            _backward(kw, shape, configs={name: config})
+        else:
+            forward.kernel_forward(**_forward_args(kw, shape), configs={name: config})
         if device == "cuda":
             torch.cuda.synchronize()
     except Exception as e:              # reported, and skipped by the search later too
@@ -86,6 +95,31 @@ def _forward_args(kw, shape):
     return dict(kw, chunk_size=shape["chunk_size"], dt_softplus=True)
 
 
+def _backward(kw, shape, configs=None):
+    """One backward pass of the forward ``_forward_args`` describes (a seeded gradient of the
+    output; its recompute of the forward included)."""
+    g = torch.Generator(device=kw["x"].device).manual_seed(1)
+    dout = torch.randn(kw["x"].shape, device=kw["x"].device, generator=g).to(kw["x"].dtype)
+    args = _forward_args(kw, shape)
+    tensors = [args.pop(k) for k in ("x", "dt", "A", "B", "C")]
+    return backward.kernel_backward(dout, None, *tensors, args.pop("chunk_size"),
+                                    configs=configs, input_dtypes=True, **args)
+
+
+def _candidates(shape, dtype, with_backward):
+    """(kernel, config) of every candidate a search times: the forward's kernels' search spaces
+    and, ``with_backward``, the backward chain's (``chain_space``; the chunk states' kernel only
+    where the chain runs it: its token kernel leaves their work to it)."""
+    sizes = dict(shape, dtype=dtype, states_dtype=dtype)
+    work = [(name, cfg) for name, module in KERNELS.items() for cfg in module.search_space(**sizes)]
+    if with_backward:
+        unfused = not chain_space("bwd_compute_out", sizes)[0]["FUSE_STATES"]
+        for name in BACKWARD_KERNELS:
+            if name != "bwd_chunk_states" or unfused:
+                work += [(name, cfg) for cfg in chain_space(name, sizes)[1]]
+    return work
+
+
 def _bytes_per_worker(shape, dtype):
     b, L, h, p, g, n, q = (shape[k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups",
                                               "dstate", "chunk_size"))
@@ -93,12 +127,13 @@ def _bytes_per_worker(shape, dtype):
     return size * (3 * b * L * h * p + 2 * b * L * g * n + b * -(-L // q) * h * p * n) + 8 * b * L * h
 
 
-def precompile(shape, dtype, features, jobs, out=sys.stderr):
-    """Compile every candidate of the three kernels in ``jobs`` processes; returns the failures."""
-    sizes = dict(shape, dtype=dtype, states_dtype=dtype)
-    work = [(name, cfg) for name, module in KERNELS.items() for cfg in module.search_space(**sizes)]
+def precompile(shape, dtype, features, jobs, out=sys.stderr, with_backward=False):
+    """Compile every candidate of the three forward kernels (and ``with_backward`` the
+    backward's) in ``jobs`` processes; returns the failures."""
+    work = _candidates(shape, dtype, with_backward)
     free = torch.cuda.mem_get_info()[0]
-    jobs = max(1, min(jobs, int(0.6 * free // max(1, _bytes_per_worker(shape, dtype)))))
+    per_worker = _bytes_per_worker(shape, dtype) * (3 if with_backward else 1)
+    jobs = max(1, min(jobs, int(0.6 * free // max(1, per_worker))))
     failures, done, start = [], 0, time.time()
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -151,23 +186,31 @@ def search(args):
               f"{args.features!r}", flush=True)
         start = time.time()
         if args.jobs > 1:
-            for name, cfg, message in precompile(shape, dtype, args.features, args.jobs):
+            for name, cfg, message in precompile(shape, dtype, args.features, args.jobs,
+                                                  with_backward=args.backward):
                 print(f"   {name}: {autotune._fmt(cfg)} does not run: {message}")
         compiled = time.time()
         os.environ[autotune.ENV_SWITCH] = "1"
         autotune._TUNER = None                       # a fresh tuner on the chosen cache
         kw = make_inputs(shape, dtype, args.features)
         forward.kernel_forward(**_forward_args(kw, shape))
+        if args.backward:
+            _backward(kw, shape)
         torch.cuda.synchronize()
         print(f"   compiled in {compiled - start:.0f} s, searched in {time.time() - compiled:.0f} s")
         tuner = autotune.tuner()
         memory = tuner._load()
         sizes = dict(shape, dtype=dtype, states_dtype=dtype, on_gpu=True)
         features = "".join(f for f in "Dzsi" if f in args.features)
-        for name, module in KERNELS.items():
-            key, _ = forward.tuning_key(name, sizes, features)
+        searched = list(dict.fromkeys(n for n, _ in _candidates(shape, dtype, args.backward)))
+        for name in searched:
+            if name in BACKWARD_KERNELS:
+                default, space = chain_space(name, sizes)
+                key, _ = forward.tuning_key(name, sizes, features, space)
+            else:
+                key, _ = forward.tuning_key(name, sizes, features)
+                default = KERNELS[name].default_config(**sizes)
             entry = memory.get(tuner.key(name, key), {})
-            default = module.default_config(**sizes)
             base_ms = next((ms for ms, c in entry.get("timings", []) if c == default), None)
             gain = f"{base_ms / entry['ms']:.2f}x the default's speed" if base_ms and entry.get("ms") else ""
             print(f"   {name:15s} {autotune._fmt(entry.get('config', default))}  {gain}")
@@ -195,6 +238,8 @@ def main(argv=None):
     s.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="processes compiling candidates in parallel (1: compile while searching)")
     s.add_argument("--cache", help="the cache file to write (default: the tuner's)")
+    s.add_argument("--backward", action="store_true",
+                   help="search the backward's kernels too (at the chunk the kernels compute at)")
     s.set_defaults(run=search)
     e = sub.add_parser("export", help="write caches' winners as a table")
     e.add_argument("caches", nargs="+")

@@ -14,6 +14,10 @@ so it never runs unasked. By default a kernel on a GPU takes, in this order:
      shape left off (``COSTLY_TO_COMPILE``);
   3. the kernel's default config.
 
+The forward's kernels ask in ``ops.forward._config``, the backward's in
+``ops.backward.tuned_config`` (among the variants the backward chain can run in a kernel's
+place: ``ops.backward.chain_space``).
+
 Environment:
     MAMBA2_CUTILE_AUTOTUNE=1        search on a shape the cache does not know (then cache it)
     MAMBA2_CUTILE_AUTOTUNE=0        no cache, no table: every kernel uses its default config

@@ -868,6 +868,29 @@ def test_the_parallel_compile_worker_runs_a_candidate(monkeypatch):
     assert not ok and message.startswith("ValueError: HEADS_PER_BLOCK (3) must be 1, 2 or 4")
 
 
+def test_the_parallel_compile_worker_runs_a_backward_candidate(monkeypatch):
+    """``python -m ops.tools.tune search --backward``: a worker runs one backward pass with one
+    candidate of one backward kernel (the chain's others at their own choices), and the search
+    lists the chain's candidates: the chunk states' kernel only where the chain runs it."""
+    from ops.backward import chain_space
+    from ops.tuning.autotune import ENV_SWITCH
+    from ops.tools.tune import _candidates, _launch_one
+    monkeypatch.delenv(ENV_SWITCH, raising=False)
+    shape = dict(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, chunk_size=32)
+    sizes = dict(shape, dtype=torch.float32, states_dtype=torch.float32)
+    for name in ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_cumsum"):
+        config = chain_space(name, sizes)[1][-1]
+        assert _launch_one(name, shape, "float32", "D", config, device="cpu") == (True, ""), name
+    ok, message = _launch_one("bwd_chunk_cumsum", shape, "float32", "D", {"BLOCK_H": 3},
+                              device="cpu")
+    assert not ok and "BLOCK_H must be a power of two" in message
+    names = {n for n, _ in _candidates(shape, torch.float32, with_backward=True)}
+    assert names == {"chunk_cumsum", "fwd_pass_state", "compute_out", "bwd_compute_out",
+                     "bwd_pass_state", "bwd_chunk_cumsum"}
+    assert {n for n, _ in _candidates(shape, torch.float32, with_backward=False)} == {
+        "chunk_cumsum", "fwd_pass_state", "compute_out"}
+
+
 def test_the_parallel_compile_worker_never_searches(monkeypatch):
     """The search switches the tuner on in its own process before it spawns the next shape's
     workers, which inherit that: a worker must still run the other kernels at their defaults, not

@@ -340,13 +340,103 @@ def _sizes(shape):
 
 
 def test_every_committed_entry_is_valid_today():
-    """Each config of the committed table is in its kernel's current search space at its shape:
-    ``choose`` would otherwise skip it, and the table would silently stop being used."""
+    """Each config of the committed table is in its kernel's current search space at its shape
+    (a backward kernel's: the variants the backward chain can run, ``chain_space``): ``choose``
+    would otherwise skip it, and the table would silently stop being used."""
+    from ops.backward import BACKWARD_KERNELS, chain_space
     entries = Table.load(TABLE_PATH).entries
     assert len(entries) >= 80 and {e["device"] for e in entries} >= {"NVIDIA H200"}
     for e in entries:
-        space = KERNELS[e["kernel"]].search_space(**_sizes(e["shape"]))
+        sizes = _sizes(e["shape"])
+        if e["kernel"] in BACKWARD_KERNELS:
+            space = chain_space(e["kernel"], sizes)[1]
+        else:
+            space = KERNELS[e["kernel"]].search_space(**sizes)
         assert e["config"] in space, (e["kernel"], e["shape"])
+
+
+@pytest.mark.parametrize("configs, searched", [
+    (None, ["bwd_chunk_cumsum", "bwd_compute_out", "bwd_pass_state"]),
+    ({"bwd_compute_out": {"FUSE_STATES": False, "PAIRS": False}},
+     ["bwd_chunk_cumsum", "bwd_chunk_states", "bwd_pass_state"]),
+], ids=["fused", "unfused"])
+def test_the_backward_asks_the_tuner_for_every_kernel(tmp_path, monkeypatch, configs, searched):
+    """The kernel backward's tuning path, on the CPU: every candidate the chain can run for each
+    backward kernel really launches (through the interpreter) on the chain's own inputs, a
+    winner is cached per kernel (the forward's kernels of the recompute too), a kernel given a
+    config is not searched, and the gradients with the winners match the untuned ones (those
+    of the kernels that accumulate into their inputs too: their search runs on copies)."""
+    import torch
+    import ops.tuning.autotune as autotune
+    import ops.backward as bwd
+    from reference.problems import make_problem
+    from reference.validate import rel_err
+
+    launched = []
+
+    def measure(fn):
+        fn()
+        launched.append(1)
+        return float(len(launched) % 5 + 1)      # an arbitrary but fixed ranking
+
+    monkeypatch.setattr(autotune, "_TUNER", Autotuner(path=str(tmp_path / "t.json"),
+                                                      measure=measure, device="Test GPU",
+                                                      out=io.StringIO()))
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=2, dstate=32, D="1d",
+                      dtype=torch.float32, seed=3)
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(4))
+    args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
+    options = dict(D=kw["D"], dt_bias=kw["dt_bias"], dt_softplus=True, configs=configs)
+    want = bwd.kernel_backward(*args, **options)
+    real = bwd.tuned_config
+    monkeypatch.setattr(bwd, "tuned_config", lambda name, configs, shape, features, run:
+                        real(name, configs, {**shape, "on_gpu": True}, features, run))
+    got = bwd.kernel_backward(*args, **options)
+    cache = json.load(open(tmp_path / "t.json"))
+    assert sorted(k.split("|")[0] for k in cache if k.startswith("bwd_")) == searched
+    for name in searched:
+        entry = next(v for k, v in cache.items() if k.startswith(name + "|"))
+        default, space = bwd.chain_space(name, {**dict(
+            batch=1, seqlen=64, nheads=4, headdim=16, ngroups=2, dstate=32, chunk_size=32,
+            dtype=torch.float32, states_dtype=torch.float32)})
+        assert entry["candidates"] == len(space) > 1 and entry["failures"] == 0, name
+        if name == "bwd_pass_state":
+            assert all(c["FUSE_ENTRY"] for c in space)
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-5, name
+
+
+def test_the_backward_on_a_gpu_takes_the_table_by_default(monkeypatch, tmp_path):
+    """A table entry for a backward kernel at a GPU shape is what the chain runs there (no
+    search, nothing launched to choose it); where it is the chain's own choice the answer is
+    None (the chain's defaults then apply, as without a table)."""
+    import torch
+    import ops.tuning.autotune as autotune
+    import ops.backward as bwd
+    monkeypatch.delenv("MAMBA2_CUTILE_AUTOTUNE")
+    shape = dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128,
+                 chunk_size=128, dtype=torch.bfloat16, states_dtype=torch.bfloat16, on_gpu=True)
+    default, space = bwd.chain_space("bwd_chunk_cumsum", shape)
+    other = space[-1]
+    assert other != default
+    entry = {"kernel": "bwd_chunk_cumsum", "device": "NVIDIA H200",
+             "shape": {"batch": "8", "seqlen": "2048", "nheads": "80", "headdim": "64",
+                       "ngroups": "1", "dstate": "128", "chunk_size": "128",
+                       "dtype": "bfloat16", "states_dtype": "bfloat16", "features": "D"},
+             "config": other, "tuned_at": "2026-01-01 00:00:00"}
+    no_launch = lambda cfg: pytest.fail("a lookup must not launch")
+    for table, want in (([entry], other), ([{**entry, "config": default}], None), ([], None)):
+        monkeypatch.setattr(autotune, "_TABLE", Table(table))
+        monkeypatch.setattr(autotune, "_TUNER", Autotuner(path=str(tmp_path / "none.json"),
+                                                          measure=lambda f: 1 / 0,
+                                                          device="NVIDIA H200"))
+        assert bwd.tuned_config("bwd_chunk_cumsum", {}, shape, "D", no_launch) == want
+    given = {"BLOCK_H": 4}
+    assert bwd.tuned_config("bwd_chunk_cumsum", {"bwd_chunk_cumsum": given}, shape, "D",
+                            no_launch) is given
+    assert bwd.tuned_config("bwd_chunk_cumsum", {}, {**shape, "on_gpu": False}, "D",
+                            no_launch) is None
 
 
 def test_forward_on_a_gpu_takes_the_table_by_default(monkeypatch, tmp_path):
