@@ -5,6 +5,8 @@ the specification, step by step, and names the same quantities):
 
     recompute          chunk_cumsum, fwd_pass_state (and compute_out only when dz needs y)
                                                            -> dt_out, dA_cumsum, entry states (, y)
+                       (only compute_out, for y, where a training step's forward kept
+                       the intermediates: ``keeps``)
     gate               out = (y + D x) * silu(z)           -> dy, dz          (PyTorch, float32,
                                                               over slices of the tokens; without
                                                               z, dy is dout and nothing runs)
@@ -216,14 +218,16 @@ def token_slices(batch, seqlen, width):
 
 def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size,
                       dtype=torch.bfloat16, states_dtype=None, z=False, initial_states=False,
-                      configs=None):
+                      configs=None, kept=False):
     """The bytes of the tensors ``kernel_backward`` (with ``input_dtypes=True``, as the operator
     calls it) holds beyond its inputs and dout at each of its steps, with the default configs
     (or ``configs``, as ``kernel_backward`` takes them: ``bwd_compute_out``'s,
     ``bwd_chunk_states``' and ``bwd_pass_state``'s change the count), as this module's docstring
     lists them: a dict of step -> {tensor: bytes}, and "peak" -> (step, bytes). Inputs are
     taken contiguous (views are copied, and dout in x's dtype: otherwise dy is a copy of it).
-    Every tensor is counted, the (b, h, c, l) ones too."""
+    Every tensor is counted, the (b, h, c, l) ones too. ``kept``: the forward's intermediates
+    come from the forward (``keeps``), counted as alive through the whole backward (the step's
+    autograd node holds them until it returns), not made by a recompute."""
     configs = configs or {}
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
     entry_dtype = entry_read_dtype(dtype, states_dtype or dtype)
@@ -326,23 +330,54 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         steps["chunk_cumsum"]["chunk_states' ddA_tiles"] = chunked // cs_cfg["BLOCK_T"]
         if e != f32:
             steps["gradients in x's dtype"]["dx in x's dtype"] = tokens * e
+    if kept:
+        for step in steps.values():
+            step.update(base)
+            step["entry states"] = states * se
+            step.pop("final state", None)            # the recompute's, not made
     totals = {k: sum(v.values()) for k, v in steps.items()}
     top = max(totals, key=totals.get)
     return {**steps, "peak": (top, totals[top])}
 
 
 def _recompute(x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus,
-               dt_limit, configs, states_dtype, need_y):
+               dt_limit, configs, states_dtype, need_y, kept=None):
     """The forward's intermediates (dt_out, dA_cumsum, entry states) and, when ``need_y``, its
     pre-gate output y (else None): ``kernel_forward`` with the same configs (tuned or given),
     without D and z, and without compute_out (the forward's costliest kernel) unless y is
-    needed."""
+    needed; from the ``kept`` intermediates, only compute_out (for y) runs."""
+    if kept is not None and not need_y:
+        return (*kept, None)
     fwd_configs = {k: v for k, v in configs.items() if k in forward_module.KERNELS}
     y, _, (dt_out, dA_cumsum, entry) = forward_module.kernel_forward(
         x, dt, A, B, C, chunk_size, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, configs=fwd_configs,
-        states_dtype=states_dtype, return_intermediates=True, with_output=need_y)
+        states_dtype=states_dtype, return_intermediates=True, with_output=need_y,
+        intermediates=kept)
     return dt_out, dA_cumsum, entry, y
+
+
+def keeps(x, entry_states):
+    """Whether a training step's forward keeps its intermediates (dt_out, dA_cumsum, the entry
+    states) for the backward, which then does not run chunk_cumsum and fwd_pass_state again (a
+    share of a step's GPU time, two launches of host time): where the entry states take no more
+    memory than x (dstate at most the chunk, in x's dtype). A model then holds, per layer
+    between its forward and backward, at most an x-sized tensor and 8 bytes per token and head
+    beyond its inputs, as mamba_ssm's Triton step does (it keeps its output and dA_cumsum);
+    larger states (dstate above the chunk, float32 states) are made again in the backward."""
+    return entry_states.numel() * entry_states.element_size() <= x.numel() * x.element_size()
+
+
+def _check_kept(kept, x, B, chunk_size, states_dtype):
+    batch, seqlen, nheads, headdim = x.shape
+    nchunks = -(-seqlen // chunk_size)
+    want = ((batch, nheads, nchunks, chunk_size), (batch, nheads, nchunks, chunk_size),
+            (batch, nchunks, nheads, headdim, B.shape[3]))
+    if (len(kept) != 3 or any(tuple(t.shape) != w for t, w in zip(kept, want))
+            or kept[2].dtype != states_dtype):
+        raise ValueError(f"kept must be the forward's (dt_out, dA_cumsum, entry states) at chunk "
+                         f"{chunk_size}: shapes {want}, states in {states_dtype}; got "
+                         f"{[(tuple(t.shape), t.dtype) for t in kept]}")
 
 
 def gate_and_skip_backward(dout, y, x, D=None, z=None, want_dD=True, want_dz=True,
@@ -412,7 +447,7 @@ def _check(dout, dfinal, x, B, configs, wanted, given):
 def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                     initial_states=None, seq_idx=None, dt_softplus=False,
                     dt_limit=(0.0, math.inf), configs=None, states_dtype=None, wanted=None,
-                    input_dtypes=False):
+                    input_dtypes=False, kept=None):
     """Gradients of ``kernel_forward``'s (out, final_states) with respect to its inputs, like
     ``reference.backward.ssd_chunked_backward``: a dict with dx, ddt, dA, dB, dC and, for the
     inputs given, dD, dz, ddt_bias, dinitial_states, all float32 (``input_dtypes=True``: each in
@@ -424,7 +459,11 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     states dtype (default x's). ``wanted``: the names of the inputs (``INPUTS``) whose
     gradients are needed (default all given). dD and dz come only when wanted; the kernels'
     gradients (x, dt, A, B, C, dt_bias, initial_states: one chain gives them all) come when any
-    of them is wanted, and the kernels do not run otherwise."""
+    of them is wanted, and the kernels do not run otherwise. ``kept``: the forward's
+    intermediates (dt_out, dA_cumsum, entry states), as ``kernel_forward`` made them with
+    ``return_intermediates`` at ``chunk_size`` and ``states_dtype`` (``keeps``); the backward
+    then takes them instead of running the forward's kernels again (where dz needs the
+    pre-gate output, compute_out alone runs again, on them)."""
     configs = dict(configs or {})
     given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                  initial_states=initial_states)
@@ -440,10 +479,13 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     poison = forward_module.POISON_OUTPUTS
 
     y = dt_out = dA_cumsum = entry = None
+    if kept is not None:
+        _check_kept(kept, x, B, chunk_size, states_dtype or x.dtype)
     if run_kernels or need_y:
         dt_out, dA_cumsum, entry, y = _recompute(
             x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,
-            configs, states_dtype, need_y)
+            configs, states_dtype, need_y, kept)
+    del kept
     # With the kernels, dD comes from compute_out's token kernel (it reads dy and x anyway).
     dy, dD, dz = gate_and_skip_backward(dout, y, x, D, z,
                                         want_dD="D" in wanted and not run_kernels,
@@ -599,6 +641,16 @@ def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt
                  seq_idx: Optional[Tensor], cu_seqlens: Optional[Tensor], *, chunk_size: int,
                  dt_softplus: bool, dt_min: float, dt_max: float,
                  state_dtype: Optional[torch.dtype], wanted: list[bool]) -> list[Tensor]:
+    return backward_work(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
+                         cu_seqlens, chunk_size=chunk_size, dt_softplus=dt_softplus,
+                         dt_min=dt_min, dt_max=dt_max, state_dtype=state_dtype, wanted=wanted)
+
+
+def backward_work(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
+                  cu_seqlens, *, chunk_size, dt_softplus, dt_min, dt_max, state_dtype, wanted,
+                  kept=None):
+    """``ssd_backward``'s work; ``kept``: the forward's intermediates where it kept them
+    (``keeps``; an eager training step's forward, ``ops.torch_op.EagerAutograd``)."""
     if len(wanted) != len(INPUTS):
         raise ValueError(f"wanted must have one flag per input of {INPUTS}, got {len(wanted)}")
     # The forward's preparation of its inputs (the values were checked there).
@@ -611,7 +663,8 @@ def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt
     g = kernel_backward(dout, dfinal, x, dt, A, B, C, kernel_chunk(chunk_size, x, B), D=D, z=z,
                         dt_bias=dt_bias, initial_states=initial_states, seq_idx=seq_idx,
                         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
-                        states_dtype=state_dtype or x.dtype, wanted=names, input_dtypes=True)
+                        states_dtype=state_dtype or x.dtype, wanted=names, input_dtypes=True,
+                        kept=kept)
     return [g["d" + n] if n in names else x.new_empty((0,), dtype=torch.float32)
             for n in INPUTS]
 

@@ -123,11 +123,13 @@ def _run_step(name, args, options, config, stream=None):
 def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), configs=None, states_dtype=None,
-                   return_intermediates=False, with_output=True):
+                   return_intermediates=False, with_output=True, intermediates=None):
     """-> (out (b, L, h, p) in x's dtype, final_states (b, h, p, n) float32), and with
     ``return_intermediates`` a third item (dt_out, dA_cumsum, entry_states).
     ``with_output=False`` stops before compute_out (out is then None): the backward's recompute
-    wants only the intermediates.
+    wants only the intermediates. ``intermediates``: those of an earlier call on the same
+    inputs (the backward's, kept by the forward), so that only compute_out runs (final_states
+    is then None).
 
     ``states_dtype``: the dtype of the stored entry states (default x's dtype).
 
@@ -149,20 +151,25 @@ def kernel_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     features = "".join(flag for flag, on in (("D", D is not None), ("z", z is not None),
                                              ("s", seq_idx is not None), ("i", initial_states is not None)) if on)
 
-    cumsum_args = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
-    cfg = _config("chunk_cumsum", configs, shape, features,
-                  lambda c: chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
     stream = torch.cuda.current_stream() if x.is_cuda else None
-    dt_out, dA_cumsum = _run_step("chunk_cumsum", (dt, A, chunk_size), cumsum_args, cfg, stream)
+    if intermediates is not None:
+        (dt_out, dA_cumsum, entry_states), final_states = intermediates, None
+    else:
+        cumsum_args = dict(dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit)
+        cfg = _config("chunk_cumsum", configs, shape, features,
+                      lambda c: chunk_cumsum(dt, A, chunk_size, **cumsum_args, config=c))
+        dt_out, dA_cumsum = _run_step("chunk_cumsum", (dt, A, chunk_size), cumsum_args, cfg,
+                                      stream)
 
-    # Entry states are stored in x's dtype by default: compute_out rounds them to C's (== x's)
-    # dtype for its product anyway, so 16-bit storage changes nothing there but halves the
-    # traffic (mamba_ssm does the same). The final state stays float32.
-    state_args = dict(initial_states=initial_states, seq_idx=seq_idx, states_dtype=states_dtype)
-    cfg = _config("fwd_pass_state", configs, shape, features,
-                  lambda c: fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
-    entry_states, final_states = _run_step("fwd_pass_state", (x, B, dt_out, dA_cumsum), state_args,
-                                           cfg, stream)
+        # Entry states are stored in x's dtype by default: compute_out rounds them to C's (==
+        # x's) dtype for its product anyway, so 16-bit storage changes nothing there but halves
+        # the traffic (mamba_ssm does the same). The final state stays float32.
+        state_args = dict(initial_states=initial_states, seq_idx=seq_idx,
+                          states_dtype=states_dtype)
+        cfg = _config("fwd_pass_state", configs, shape, features,
+                      lambda c: fwd_pass_state(x, B, dt_out, dA_cumsum, **state_args, config=c))
+        entry_states, final_states = _run_step("fwd_pass_state", (x, B, dt_out, dA_cumsum),
+                                               state_args, cfg, stream)
 
     out = None
     if with_output:

@@ -32,10 +32,12 @@ Tensor = torch.Tensor
 
 
 def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chunk_size,
-            dt_softplus, dt_min, dt_max, with_varlen, state_dtype, backend):
+            dt_softplus, dt_min, dt_max, with_varlen, state_dtype, backend, keep=False):
     """The operator's work, callable directly: -> (out, final_states, varlen_states). Traced
     directly (a differentiable call under torch.compile), it skips the value checks, which
-    would need the values at tracing."""
+    would need the values at tracing. ``keep``: a training step's forward, which also returns
+    the kernels' intermediates (dt_out, dA_cumsum, entry states) for the backward where
+    ``ops.backward.keeps`` says so (three more results)."""
     seq_idx = check_values(x, seq_idx, cu_seqlens, check=not torch.compiler.is_compiling())
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
@@ -61,7 +63,12 @@ def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, 
     else:
         varlen = final_states.new_empty((0,) + tuple(final_states.shape[1:]))
     sdt = states_result_dtype(x)
-    return out, final_states.to(sdt), varlen.to(sdt)
+    results = (out, final_states.to(sdt), varlen.to(sdt))
+    if keep and backend != "reference":
+        from ops.backward import keeps
+        if keeps(x, entry):
+            return results + (dt_out, dA_cumsum, entry)
+    return results
 
 
 def states_result_dtype(x):
@@ -151,7 +158,10 @@ def _backward(ctx, dout, dfinal, dvarlen):
 def _gradients(ctx, dout, dfinal, eager):
     """The gradients of the inputs ``ctx`` saved, and None for seq_idx and cu_seqlens: through
     the backward operator, or (``eager``) its work called directly."""
-    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    # the inputs, then the forward's intermediates where an eager forward kept them
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = saved[:11]
+    kept = tuple(saved[11:])
     inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     o = ctx.options
     # (varlen states with a gradient are refused before the forward: ops.ssd_combined)
@@ -166,7 +176,7 @@ def _gradients(ctx, dout, dfinal, eager):
     else:
         # The operator takes the inputs as saved and prepares them as the forward does
         # (as_kernel_input, seq_idx from cu_seqlens, int32).
-        from ops.backward import backward_op, ssd_backward   # cuda.tile, as kernel_forward
+        from ops.backward import backward_op, backward_work   # cuda.tile, as kernel_forward
         args = (dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens)
         options = dict(chunk_size=o["chunk_size"], dt_softplus=o["dt_softplus"],
                        dt_min=o["dt_min"], dt_max=o["dt_max"], state_dtype=o["state_dtype"],
@@ -178,8 +188,10 @@ def _gradients(ctx, dout, dfinal, eager):
             # whose values make the sequence ids
             key = stamp = None
             if cu_seqlens is None:
-                key, stamp = replay_key(args, ("backward", tuple(o.items()), tuple(wanted)))
-            grads = taped(key, stamp, lambda *a: ssd_backward(*a, **options), args)
+                key, stamp = replay_key(args + kept,
+                                        ("backward", tuple(o.items()), tuple(wanted)))
+            grads = taped(key, stamp, lambda *a: backward_work(
+                *a[:len(args)], kept=a[len(args):] or None, **options), args + kept)
     return tuple((g if g.dtype == t.dtype else g.to(t.dtype)) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
 
@@ -190,19 +202,21 @@ _GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 ssd_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _eager_forward(inputs):
+def _eager_forward(inputs, keep):
     *tensors, options = inputs
     seq_idx, cu_seqlens = tensors[9:]
     key = stamp = None
     if seq_idx is None and cu_seqlens is None and not options["with_varlen"]:
         # no sequence ids to check: the call's host work is taped (ops.runtime.tape)
-        key, stamp = replay_key(tensors, ("forward", tuple(options.items())))
-    return taped(key, stamp, lambda *t: forward(*t, **options), tensors)
+        key, stamp = replay_key(tensors, ("forward", tuple(options.items()), keep))
+    return taped(key, stamp, lambda *t: forward(*t, **options, keep=keep), tensors)
 
 
-def _save_inputs(ctx, inputs, output):
+def _save_inputs(ctx, inputs, kept=()):
+    """The inputs saved for the backward, and after them the forward's intermediates it kept
+    (``forward``'s ``keep``)."""
     *tensors, ctx.options = inputs
-    ctx.save_for_backward(*tensors)
+    ctx.save_for_backward(*tensors, *kept)
     ctx.set_materialize_grads(False)      # as the operator's (_setup_context)
 
 
@@ -222,9 +236,9 @@ class EagerAutograd(torch.autograd.Function):
     # forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, options)
     @staticmethod
     def forward(ctx, *inputs):
-        outputs = _eager_forward(inputs)
-        _save_inputs(ctx, inputs, outputs)
-        return outputs
+        out, final_states, varlen_states, *kept = _eager_forward(inputs, keep=True)
+        _save_inputs(ctx, inputs, kept)
+        return out, final_states, varlen_states
 
     @staticmethod
     @torch.autograd.function.once_differentiable     # as the operator: no double backward
@@ -250,7 +264,9 @@ class TransformableEagerAutograd(torch.autograd.Function):
     # for one starred parameter than for twelve
     @staticmethod
     def forward(*inputs):
-        return _eager_forward(inputs)
+        return _eager_forward(inputs, keep=False)
 
-    setup_context = staticmethod(_save_inputs)
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save_inputs(ctx, inputs)
     backward = staticmethod(EagerAutograd.backward)

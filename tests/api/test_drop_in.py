@@ -926,6 +926,58 @@ def test_an_unused_outputs_gradient_is_not_materialised(monkeypatch):
     assert seen == [(False, True), (True, False)]
 
 
+@pytest.mark.parametrize("dstate, kept", [(16, True), (64, False)], ids=["kept", "recomputed"])
+def test_a_training_steps_forward_keeps_its_intermediates_where_they_are_small(monkeypatch,
+                                                                               dstate, kept):
+    """An eager training step's forward keeps dt_out, dA_cumsum and the entry states for the
+    backward where the states take no more memory than x (``ops.backward.keeps``: dstate 16 at
+    chunk 32 here), and its backward then runs no chunk_cumsum or fwd_pass_state; where they
+    would take more (dstate 64 > chunk 32) the backward makes them again. Either way the
+    gradients equal bitwise those of a backward that recomputes them (the same kernels and
+    configs give the same values)."""
+    import ops.backward
+    import ops.runtime.launch as launch_module
+    import ops.torch_op
+    from ops.runtime.cutile_internals import kernel_function
+    monkeypatch.setattr(ops.torch_op, "taped", lambda key, stamp, fn, inputs: fn(*inputs))
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=dstate,
+                      D="1d", dtype=torch.float32, seed=7)
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(8))
+    names = []
+    real_launch = launch_module.launch
+    monkeypatch.setattr(launch_module, "launch", lambda grid, kernel, args, *rest: (
+        names.append(kernel_function(kernel).__name__), real_launch(grid, kernel, args, *rest))[1])
+
+    def step():
+        leaves = {k: v.clone().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+                  for k, v in kw.items()}
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=32, **OPTIONS, backend="interpret")
+        names.clear()
+        out.backward(dout)
+        return {k: v.grad for k, v in leaves.items() if v.grad is not None}, list(names)
+    grads, launched = step()
+    recomputes = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"} & set(launched)
+    assert (not recomputes) == kept, launched
+    monkeypatch.setattr(ops.backward, "keeps", lambda x, entry: False)
+    again, launched = step()
+    assert {"chunk_cumsum_kernel", "fwd_pass_state_kernel"} <= set(launched)
+    assert grads.keys() == again.keys() and all(torch.equal(grads[k], again[k]) for k in grads)
+
+
+def test_the_kept_intermediates_are_checked():
+    from ops.backward import kernel_backward
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16,
+                      dtype=torch.float32, seed=7)
+    dout = torch.randn(kw["x"].shape)
+    chunked = torch.zeros(1, 4, 2, 32)
+    states = torch.zeros(1, 2, 4, 16, 16)
+    for kept in ((chunked, chunked), (chunked, chunked, states[:, :1]),
+                 (chunked, chunked, states.double())):
+        with pytest.raises(ValueError, match="kept must be the forward's"):
+            kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32,
+                            kept=kept)
+
+
 def test_autograd_grad_and_checkpointing_give_the_same_gradients():
     """torch.autograd.grad, the call inside torch.utils.checkpoint (recomputed in the backward)
     and torch.func.grad give loss.backward()'s gradients bitwise."""
@@ -941,7 +993,8 @@ def test_autograd_grad_and_checkpointing_give_the_same_gradients():
     x.grad = B.grad = None
     checkpoint(run, x, B, use_reentrant=False).backward()
     assert torch.equal(x.grad, expected[0]) and torch.equal(B.grad, expected[1])
-    # torch.func's transforms too (the eager path is an autograd.Function with setup_context)
+    # torch.func's transforms too (under one, the eager path is an autograd.Function with
+    # setup_context: ops.torch_op.TransformableEagerAutograd)
     got = torch.func.grad(run, argnums=(0, 1))(kw["x"], kw["B"])
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     # a gradient of the gradient is refused, never silently wrong

@@ -506,7 +506,10 @@ def test_peak_memory_on_gpu():
     from ops.backward import memory_accounting
     from ops.tuning.compute_chunk import kernel_chunk
     chunk = kernel_chunk(256, kw["x"], kw["B"])      # 128 on an H200 (ops/tuning/compute_chunk.py)
-    _, backward = memory_accounting(**shape, chunk_size=chunk, dtype=torch.bfloat16)["peak"]
+    # the forward keeps its intermediates for the backward (ops.backward.keeps: bf16 states of
+    # dstate 128 at chunk 128 take x's memory)
+    _, backward = memory_accounting(**shape, chunk_size=chunk, dtype=torch.bfloat16,
+                                    kept=shape["dstate"] <= chunk)["peak"]
     outputs = 2 * kw["x"].numel() * 2 + 2 * kw["B"].numel() * 2 + kw["dt"].numel() * 2
     bound = backward + outputs + 8 * 2**20
     assert peak <= bound, (peak / 2**20, bound / 2**20)
