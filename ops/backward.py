@@ -51,7 +51,8 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     x's dtype add 2 x 160 MiB, 801 and 933 MiB. Alive there, MiB at 256 (at 128):
         dx in x's dtype 160, written once by the token launch (no float32 dx)
         dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
-        entry states 80 (160), freed after compute_out's token launch
+        entry states 80 (160), freed after compute_out's token launch (kept from a training
+        step's forward, ``keeps``: alive through the whole backward, which the peak holds anyway)
         dB, dC head-split partials: 4 splits x 2 x 8 (``bwd_compute_out.BLOCKS_PER_SM``, at
         most ``MAX_SPLITS``); C B^T per chunk and group 16 (8), float32; the pair kernel's
         d(C B^T) head-split partials 16 (16) and its row and column sums of dG G 40 (20)
@@ -68,14 +69,16 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     ``tests/benchmark/results/memory_probe_2p7b_h200.txt``).
 
 Saved and recomputed
-    The operator saves only its inputs. The backward runs the forward kernels once more,
-    without D and z, for their intermediates dt_out, dA_cumsum (log2 units, as the backward
-    kernels read it) and the entry states (in the forward's state dtype, so the backward sees
-    the values the forward's compute_out read); compute_out runs too only when dz is wanted: its
-    output is then the pre-gate y (the one forward value dz needs; D x is added on the host).
-    That costs at most one forward pass, and no memory between the passes. When only D and z
-    want gradients the backward kernels do not run; for D alone nothing is recomputed (dD reads
-    dout, z and x).
+    The operator saves its inputs. An eager training step's forward also keeps its
+    intermediates dt_out, dA_cumsum (log2 units, as the backward kernels read it) and the entry
+    states (in the forward's state dtype: the values the forward's compute_out read) where they
+    take no more memory than x (``keeps``; ``MAMBA2_CUTILE_KEEP_INTERMEDIATES=0`` turns that
+    off); otherwise, and for traced calls, the backward runs the forward kernels once more,
+    without D and z, to make them: at most one forward pass, and no memory between the passes.
+    compute_out runs again only when dz is wanted: its output is then the pre-gate y (the one
+    forward value dz needs; D x is added on the host). When only D and z want gradients the
+    backward kernels do not run, and nothing is kept; for D alone nothing is recomputed (dD
+    reads dout, z and x).
 
 The backward kernels return ddA_cumsum in natural-log units (from dA_cumsum in log2 units), so
 their contributions add directly, and the cumsum kernel takes them so.
@@ -84,10 +87,12 @@ Inputs arrive from the operator (``backward_op`` below) as the forward's do: eac
 ``ops.torch_op.as_kernel_input`` gives it, seq_idx int32. The backward kernels read x, B, C,
 dt and the gradients contiguous (copied here where a view is passed). ``configs`` maps a forward
 kernel's name (``ops.forward.KERNELS``) or a backward kernel's (``BACKWARD_CONFIGS``: each
-module's ``default_config`` / ``search_space``) to its config; a missing one, or a missing key,
-takes the default (for the backward kernels, with ``BACKWARD_DEFAULTS`` over it).
+module's ``default_config`` / ``search_space``) to its config; a missing one takes, on a GPU,
+the tuned one (``tuned_config``), else the default, and a missing key the default (for the
+backward kernels, with ``BACKWARD_DEFAULTS`` over it).
 """
 import math
+import os
 from typing import Optional
 
 import torch
@@ -119,6 +124,7 @@ Tensor = torch.Tensor
 # The inputs that have a gradient, in the operator's order, and those the four kernels give.
 INPUTS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 KERNEL_INPUTS = ("x", "dt", "A", "B", "C", "dt_bias", "initial_states")
+KERNEL_INPUT_POSITIONS = tuple(INPUTS.index(name) for name in KERNEL_INPUTS)
 BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bwd_chunk_cumsum")
 # The chain's own choices over a backward kernel's default config (a kernel's default is the
 # kernel as first written, for its standalone use), by shape: the pass over the states forms
@@ -357,27 +363,44 @@ def _recompute(x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_
     return dt_out, dA_cumsum, entry, y
 
 
+KEEP_ENV = "MAMBA2_CUTILE_KEEP_INTERMEDIATES"
+
+
+def keeping():
+    """Whether training steps may keep their forward's intermediates (``keeps``): on unless
+    ``MAMBA2_CUTILE_KEEP_INTERMEDIATES=0``, which trades the backward's recompute for memory
+    between the passes. Read when a step's forward runs (a taped step keys on it)."""
+    return os.environ.get(KEEP_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def keeps(x, entry_states):
     """Whether a training step's forward keeps its intermediates (dt_out, dA_cumsum, the entry
     states) for the backward, which then does not run chunk_cumsum and fwd_pass_state again (a
     share of a step's GPU time, two launches of host time): where the entry states take no more
-    memory than x (dstate at most the chunk, in x's dtype). A model then holds, per layer
-    between its forward and backward, at most an x-sized tensor and 8 bytes per token and head
-    beyond its inputs, as mamba_ssm's Triton step does (it keeps its output and dA_cumsum);
-    larger states (dstate above the chunk, float32 states) are made again in the backward."""
-    return entry_states.numel() * entry_states.element_size() <= x.numel() * x.element_size()
+    memory than x and the backward reads them as stored (dstate at most the chunk; states in x's
+    dtype or float32, as ``entry_read_dtype`` reads them without a widened copy). A model then
+    holds, per layer between its forward and backward, at most an x-sized tensor and 8 bytes
+    per token and head more than its inputs, as mamba_ssm's Triton step does (it keeps its
+    output and dA_cumsum); larger states are made again in the backward. The caller asks only
+    for steps whose backward runs the kernels (``ops.torch_op.EagerAutograd``)."""
+    return (entry_read_dtype(x.dtype, entry_states.dtype) == entry_states.dtype
+            and entry_states.numel() * entry_states.element_size()
+            <= x.numel() * x.element_size())
 
 
-def _check_kept(kept, x, B, chunk_size, states_dtype):
+def _kept_matches(kept, x, B, chunk_size, states_dtype):
+    """Whether ``kept`` are intermediates of this backward's forward: (dt_out, dA_cumsum)
+    float32 (b, h, c, chunk) and entry states (b, c, h, p, n) in ``states_dtype``, on x's
+    device. Others (kept at another chunk, say, after the compute chunk's mode changed between
+    the passes) are not used: the backward makes its own."""
     batch, seqlen, nheads, headdim = x.shape
     nchunks = -(-seqlen // chunk_size)
-    want = ((batch, nheads, nchunks, chunk_size), (batch, nheads, nchunks, chunk_size),
-            (batch, nchunks, nheads, headdim, B.shape[3]))
-    if (len(kept) != 3 or any(tuple(t.shape) != w for t, w in zip(kept, want))
-            or kept[2].dtype != states_dtype):
-        raise ValueError(f"kept must be the forward's (dt_out, dA_cumsum, entry states) at chunk "
-                         f"{chunk_size}: shapes {want}, states in {states_dtype}; got "
-                         f"{[(tuple(t.shape), t.dtype) for t in kept]}")
+    want = ((batch, nheads, nchunks, chunk_size, torch.float32),
+            (batch, nheads, nchunks, chunk_size, torch.float32),
+            (batch, nchunks, nheads, headdim, B.shape[3], states_dtype))
+    return (len(kept) == 3 and all(
+        isinstance(t, torch.Tensor) and (*t.shape, t.dtype) == w and t.device == x.device
+        for t, w in zip(kept, want)))
 
 
 def gate_and_skip_backward(dout, y, x, D=None, z=None, want_dD=True, want_dz=True,
@@ -463,7 +486,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     intermediates (dt_out, dA_cumsum, entry states), as ``kernel_forward`` made them with
     ``return_intermediates`` at ``chunk_size`` and ``states_dtype`` (``keeps``); the backward
     then takes them instead of running the forward's kernels again (where dz needs the
-    pre-gate output, compute_out alone runs again, on them)."""
+    pre-gate output, compute_out alone runs again, on them). Intermediates of another chunk or
+    dtype are not used (``_kept_matches``)."""
     configs = dict(configs or {})
     given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                  initial_states=initial_states)
@@ -479,8 +503,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     poison = forward_module.POISON_OUTPUTS
 
     y = dt_out = dA_cumsum = entry = None
-    if kept is not None:
-        _check_kept(kept, x, B, chunk_size, states_dtype or x.dtype)
+    if kept is not None and not _kept_matches(kept, x, B, chunk_size, states_dtype or x.dtype):
+        kept = None
     if run_kernels or need_y:
         dt_out, dA_cumsum, entry, y = _recompute(
             x, dt, A, B, C, chunk_size, dt_bias, initial_states, seq_idx, dt_softplus, dt_limit,

@@ -222,11 +222,13 @@ def _save_inputs(ctx, inputs, kept=()):
 
 class EagerAutograd(torch.autograd.Function):
     """The operator's forward and backward for eager calls that need a gradient, without the
-    custom operators' dispatch: the same work (``forward``, then ``ops.backward.ssd_backward``)
-    and the same saved inputs, with less host time per training step (PERF_NOTES.md, "Eager
+    custom operators' dispatch: the same work (``forward``, then ``ops.backward.backward_work``,
+    the backward operator's), with less host time per training step (PERF_NOTES.md, "Eager
     training steps go through a plain torch.autograd.Function"); at small shapes the host, not
-    the GPU, sets a step's time. Traced calls (torch.compile) and tensor subclasses take the
-    operator. ``options``: the operator's keyword arguments, as a dict.
+    the GPU, sets a step's time. It saves the same inputs and, where ``ops.backward.keeps``
+    says so, the forward's intermediates for the backward (``forward``'s ``keep``). Traced
+    calls (torch.compile) and tensor subclasses take the operator. ``options``: the operator's
+    keyword arguments, as a dict.
 
     The forward takes ``ctx`` and saves the inputs itself: a Function with ``setup_context``
     has its arguments bound to ``forward``'s signature by ``inspect`` on every call (about
@@ -236,7 +238,12 @@ class EagerAutograd(torch.autograd.Function):
     # forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, options)
     @staticmethod
     def forward(ctx, *inputs):
-        out, final_states, varlen_states, *kept = _eager_forward(inputs, keep=True)
+        # the intermediates are kept only for a backward that runs the kernels (a gradient of
+        # x, dt, A, B, C, dt_bias or initial_states), and where the setting allows it
+        from ops.backward import KERNEL_INPUT_POSITIONS, keeping     # cuda.tile, as the kernels
+        needs = ctx.needs_input_grad
+        keep = any(needs[i] for i in KERNEL_INPUT_POSITIONS) and keeping()
+        out, final_states, varlen_states, *kept = _eager_forward(inputs, keep)
         _save_inputs(ctx, inputs, kept)
         return out, final_states, varlen_states
 

@@ -926,56 +926,76 @@ def test_an_unused_outputs_gradient_is_not_materialised(monkeypatch):
     assert seen == [(False, True), (True, False)]
 
 
-@pytest.mark.parametrize("dstate, kept", [(16, True), (64, False)], ids=["kept", "recomputed"])
-def test_a_training_steps_forward_keeps_its_intermediates_where_they_are_small(monkeypatch,
-                                                                               dstate, kept):
+@pytest.mark.parametrize("case, kept", [
+    (dict(dstate=16), True),
+    (dict(dstate=64), False),                                  # states larger than x
+    (dict(dstate=16, state_dtype=torch.bfloat16), False),      # widened to float32 to be read
+    (dict(dstate=16, wanted=("D",)), False),                   # no backward kernel runs
+    (dict(dstate=16, setting="0"), False),                     # MAMBA2_CUTILE_KEEP_INTERMEDIATES
+], ids=["kept", "larger-states", "bf16-states-of-float32", "only-D", "switched-off"])
+def test_a_training_steps_forward_keeps_its_intermediates_where_it_should(monkeypatch, case,
+                                                                          kept):
     """An eager training step's forward keeps dt_out, dA_cumsum and the entry states for the
-    backward where the states take no more memory than x (``ops.backward.keeps``: dstate 16 at
-    chunk 32 here), and its backward then runs no chunk_cumsum or fwd_pass_state; where they
-    would take more (dstate 64 > chunk 32) the backward makes them again. Either way the
-    gradients equal bitwise those of a backward that recomputes them (the same kernels and
-    configs give the same values)."""
+    backward (``ops.backward.keeps``) where the states take no more memory than x and are read
+    as stored (dstate 16 at chunk 32 here), the backward runs the kernels, and the setting
+    allows it; that backward then runs no chunk_cumsum or fwd_pass_state. Otherwise the
+    backward makes them again. Either way the gradients equal bitwise those of a backward that
+    recomputes them (the same kernels and configs give the same values)."""
     import ops.backward
     import ops.runtime.launch as launch_module
     import ops.torch_op
     from ops.runtime.cutile_internals import kernel_function
     monkeypatch.setattr(ops.torch_op, "taped", lambda key, stamp, fn, inputs: fn(*inputs))
-    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=dstate,
-                      D="1d", dtype=torch.float32, seed=7)
+    if "setting" in case:
+        monkeypatch.setenv(ops.backward.KEEP_ENV, case["setting"])
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1,
+                      dstate=case["dstate"], D="1d", dtype=torch.float32, seed=7)
     dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(8))
-    names = []
-    real_launch = launch_module.launch
+    wanted = case.get("wanted", ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    names, given = [], []
+    real_launch, real_work = launch_module.launch, ops.backward.backward_work
     monkeypatch.setattr(launch_module, "launch", lambda grid, kernel, args, *rest: (
         names.append(kernel_function(kernel).__name__), real_launch(grid, kernel, args, *rest))[1])
+    monkeypatch.setattr(ops.backward, "backward_work", lambda *a, kept=None, **k: (
+        given.append(kept is not None), real_work(*a, kept=kept, **k))[1])
 
     def step():
-        leaves = {k: v.clone().requires_grad_(k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
-                  for k, v in kw.items()}
-        out = mamba_chunk_scan_combined(**leaves, chunk_size=32, **OPTIONS, backend="interpret")
-        names.clear()
+        leaves = {k: v.clone().requires_grad_(k in wanted) for k, v in kw.items()}
+        out = mamba_chunk_scan_combined(**leaves, chunk_size=32, **OPTIONS, backend="interpret",
+                                        state_dtype=case.get("state_dtype"))
+        names.clear(), given.clear()
         out.backward(dout)
         return {k: v.grad for k, v in leaves.items() if v.grad is not None}, list(names)
     grads, launched = step()
+    assert given == [kept]
     recomputes = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"} & set(launched)
-    assert (not recomputes) == kept, launched
+    assert bool(recomputes) == (not kept and wanted != ("D",)), launched
     monkeypatch.setattr(ops.backward, "keeps", lambda x, entry: False)
-    again, launched = step()
-    assert {"chunk_cumsum_kernel", "fwd_pass_state_kernel"} <= set(launched)
+    again, _ = step()
+    assert given == [False]
     assert grads.keys() == again.keys() and all(torch.equal(grads[k], again[k]) for k in grads)
 
 
-def test_the_kept_intermediates_are_checked():
+def test_intermediates_of_another_chunk_are_not_used():
+    """Kept intermediates that do not fit this backward (another chunk: the compute chunk's
+    mode changed between the passes; another dtype) are left aside, and the backward makes its
+    own: the same gradients as without them."""
     from ops.backward import kernel_backward
+    from ops.forward import kernel_forward
     kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16,
                       dtype=torch.float32, seed=7)
-    dout = torch.randn(kw["x"].shape)
-    chunked = torch.zeros(1, 4, 2, 32)
-    states = torch.zeros(1, 2, 4, 16, 16)
-    for kept in ((chunked, chunked), (chunked, chunked, states[:, :1]),
-                 (chunked, chunked, states.double())):
-        with pytest.raises(ValueError, match="kept must be the forward's"):
-            kernel_backward(dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32,
-                            kept=kept)
+    dout = torch.randn(kw["x"].shape, generator=torch.Generator().manual_seed(1))
+    args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
+    want = kernel_backward(*args)
+    _, _, at_16 = kernel_forward(kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 16,
+                                 return_intermediates=True)
+    _, _, at_32 = kernel_forward(kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32,
+                                 return_intermediates=True)
+    for kept in (at_16, (*at_32[:2], at_32[2].double()), at_32[:2], ("not", "tensors", 3)):
+        got = kernel_backward(*args, kept=kept)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    got = kernel_backward(*args, kept=at_32)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_autograd_grad_and_checkpointing_give_the_same_gradients():

@@ -95,6 +95,31 @@ def test_taped_training_steps_equal_untaped_ones_bitwise(tape_runs, monkeypatch,
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_a_graph_kept_for_a_second_backward_replays_with_its_intermediates(tape_runs):
+    """``backward(retain_graph=True)`` twice on a taped step (its forward keeping its
+    intermediates for the backward: ``ops.backward.keeps``): the second backward replays the
+    first's tape on the same kept tensors, and each gives the same gradients."""
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, D="1d",
+                      dtype=torch.float32, seed=2)
+
+    def loss_of(x):
+        out = mamba_chunk_scan_combined(**{**kw, "x": x}, chunk_size=32, dt_softplus=True,
+                                        backend="interpret")
+        return out.square().sum()
+    x = kw["x"].clone().requires_grad_(True)
+    loss_of(x).backward()                           # records both tapes
+    want = x.grad.clone()
+    tape_runs.clear()
+    x.grad = None
+    loss = loss_of(x)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    loss.backward()
+    assert tape_runs == ["forward", "backward", "backward"]
+    assert torch.equal(first, want) and torch.equal(x.grad, want)
+
+
 def test_a_new_key_records_again(tape_runs, monkeypatch):
     """Other strides or another dtype make another call: recorded afresh (not replayed from a
     tape of another key), and still exact."""
