@@ -13,10 +13,7 @@ cache. It prints, per kernel, the default's time, the winner's and what each kno
 With ``--backward`` it does the same for the backward's four kernels too (``ops.backward``'s
 ``chain_space``: the variants the chain can run), through one ``kernel_backward`` call at the
 chunk given, which is the chunk the kernels compute at (a training step's backward computes at
-``ops/tuning/compute_chunk.py``'s chunk, 128 for a caller's 256 on an H200). bwd_chunk_cumsum
-compiles a variant per width of the partials it sums (``chunk_ends``), which the token and pass
-kernels' configs set: its candidates are compiled ahead at the widths of those kernels' own
-choices, and at a searched winner's other widths while the search runs.
+``ops/tuning/compute_chunk.py``'s chunk, 128 for a caller's 256 on an H200).
 ``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``.
 """
 import argparse

@@ -58,7 +58,7 @@ def bwd_chunk_cumsum_kernel(
     DT_SOFTPLUS: ConstBool,
     LOAD_LAT: ConstInt,               # latency hint of the dt, ddt_out and ddA loads; 0 = none
     STORE_LAT: ConstInt,              # latency hint of the ddt store; 0 = none
-    END_A: ConstInt,                  # end_a's parts rounded up to a power of two (0: none)
+    END_A: ConstInt,                  # end_a's parts padded (END_WIDTH; 0: none)
     END_B: ConstInt,
 ):
     c, hb, b = ct.bid(0), ct.bid(1), ct.bid(2)
@@ -146,7 +146,7 @@ def bwd_chunk_cumsum_plan(ddt_out, ddA, dt, A, dt_bias=None, dt_softplus=False,
     dA_parts = new_output((batch, nchunks, nheads), torch.float32, dt.device, poison)
     dbias_parts = new_output((batch, nchunks, nheads), torch.float32, dt.device, poison)
     bias = dt_bias if dt_bias is not None else unread_stand_in(dt.device)
-    widths = [next_pow2(e.shape[3]) for e in ends] + [0] * (2 - len(ends))
+    widths = [end_width(e.shape[3]) for e in ends] + [0] * (2 - len(ends))
     ends = list(ends) + [unread_stand_in(dt.device, 4)] * (2 - len(ends))
     args = (ddt_out, ddA, dt, A, bias, ddt, dA_parts, dbias_parts, *ends, float(dt_limit[0]),
             float(dt_limit[1]), chunk_size, block_h, dt_bias is not None, bool(dt_softplus),
@@ -154,6 +154,20 @@ def bwd_chunk_cumsum_plan(ddt_out, ddA, dt, A, dt_bias=None, dt_softplus=False,
     kernel = with_hints(fit_index_width(bwd_chunk_cumsum_kernel, args, cfg["INDEX64"]), cfg)
     return Plan((nchunks, cdiv(nheads, block_h), batch), kernel, args,
                 (ddt, dA_parts, dbias_parts))
+
+
+# The partials of a chunk end load as a tile of at least this many (zeros past the array): the
+# counts the backward's other kernels give (their token tiles per chunk times dstate slices,
+# their state tiles) are mostly 1 to 8, and each padded width compiles a variant of its own, so
+# one width serves them all (a first call compiles once; a search's precompiled candidates are
+# the ones it times, whatever the other kernels' configs).
+END_WIDTH = 8
+
+
+def end_width(parts):
+    """The tile width that ``parts`` partials of a chunk end load in: END_WIDTH, or the power of
+    two above ``parts`` where that is more."""
+    return max(END_WIDTH, next_pow2(parts))
 
 
 def _check_chunk_ends(chunk_ends, chunks):
