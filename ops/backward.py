@@ -46,9 +46,9 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     Nothing token-sized is held in float32 or per head: dx is written once in x's dtype, dB and
     dC are summed over a group's heads in the token kernel, and the gate runs over slices of the
     tokens (``SLICE_ELEMENTS``).
-    The peak is compute_out's token launch: 481 MiB at chunk 256, 613 MiB at 128 (the chunk
+    The peak is compute_out's token launch: 486 MiB at chunk 256, 618 MiB at 128 (the chunk
     an H200 computes a caller's 256 at: ``ops/tuning/compute_chunk.py``); with z, whose dz and dy in
-    x's dtype add 2 x 160 MiB, 801 and 933 MiB. Alive there, MiB at 256 (at 128):
+    x's dtype add 2 x 160 MiB, 806 and 938 MiB. Alive there, MiB at 256 (at 128):
         dx in x's dtype 160, written once by the token launch (no float32 dx)
         dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
         entry states 80 (160), freed after compute_out's token launch (kept from a training
@@ -56,7 +56,8 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
         dB, dC head-split partials: 4 splits x 2 x 8 (``bwd_compute_out.BLOCKS_PER_SM``, at
         most ``MAX_SPLITS``); C B^T per chunk and group 16 (8), float32; the pair kernel's
         d(C B^T) head-split partials 16 (16) and its row and column sums of dG G 40 (20)
-        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5; dD's partials 5
+        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5; dD's partials 0.1 (a
+        1-d D's, summed over headdim in the kernel; a 2-d D's 5)
         dy: dout itself (without z); y not computed without z; no dentry (the pass forms it:
         FUSE_ENTRY), which with FUSE_ENTRY=False is a float32 (b, c, h, p, n) buffer, 160
         (320), alive through the pass, whose step is then the peak at 128 (670 MiB).
@@ -224,7 +225,7 @@ def token_slices(batch, seqlen, width):
 
 def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_size,
                       dtype=torch.bfloat16, states_dtype=None, z=False, initial_states=False,
-                      configs=None, kept=False):
+                      configs=None, kept=False, D=1):
     """The bytes of the tensors ``kernel_backward`` (with ``input_dtypes=True``, as the operator
     calls it) holds beyond its inputs and dout at each of its steps, with the default configs
     (or ``configs``, as ``kernel_backward`` takes them: ``bwd_compute_out``'s,
@@ -233,7 +234,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     taken contiguous (views are copied, and dout in x's dtype: otherwise dy is a copy of it).
     Every tensor is counted, the (b, h, c, l) ones too. ``kept``: the forward's intermediates
     come from the forward (``keeps``), counted as alive through the whole backward (the step's
-    autograd node holds them until it returns), not made by a recompute."""
+    autograd node holds them until it returns), not made by a recompute. ``D``: its number of
+    dimensions (1: one number per head, as Mamba-2's; 2: (nheads, headdim)), which sets the size
+    of the token kernel's partials of dD."""
     configs = configs or {}
     f32, e = 4, torch.empty((), dtype=dtype).element_size()
     entry_dtype = entry_read_dtype(dtype, states_dtype or dtype)
@@ -262,7 +265,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     kept = {"dz": tokens * e} if z else {}
     dy = {"dy (x's dtype)": tokens * e} if z else {}          # else dout itself
     dinit = {"dinitial": final} if initial_states else {}
-    kept["dD"] = nheads * headdim * f32                       # (h,) or (h, p): at most this
+    kept["dD"] = nheads * (headdim if D == 2 else 1) * f32
     # the pass' term of d dA at each chunk's last token, one partial per state tile, alive until
     # bwd_chunk_cumsum sums it (as the token tiles' ddA_tiles, when the token kernel is fused)
     ps_tiles = (-(-headdim // min(ps_cfg["BLOCK_P"], tile_size(headdim)))
@@ -279,7 +282,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         gate["y (pre-gate)"] = tokens * e
     split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
     tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
-    token_parts = {"dD partials": batch * tiles * nheads * headdim * f32}
+    # (a 1-d D's partials are summed over headdim in the kernel)
+    token_parts = {"dD partials": batch * tiles * nheads * (headdim if D == 2 else 1) * f32}
     # the states launch's dstate slices (SPLIT_DX): a ddA tile sum and a ddt and ddA term each
     slices = compute_out_slices(out_cfg)
     ends = {}                               # alive until bwd_chunk_cumsum sums them

@@ -327,7 +327,7 @@ def bwd_compute_out_kernel(
     ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T) float32;
                                         # unwritten unless WITH_STATES
     D: ct.IndexedWithInt64,             # (nheads,) or (nheads, headdim); unread unless WITH_SKIP
-    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials;
+    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim or 1) partials;
                                         # unwritten unless WITH_SKIP
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
                                         # (ops/kernels/common.py, or bwd_pairs_kernel with
@@ -372,7 +372,8 @@ def bwd_compute_out_kernel(
             if WITH_STATES:
                 ct.store(ddA_tiles, (b, first_head + k, c, t), ct.zeros((), dtype=ct.float32))
             if WITH_SKIP:
-                ct.store(dD, (b, tile, first_head + k, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
+                store_skip_partial(dD, D, b, tile, first_head + k,
+                                   ct.zeros((P,), dtype=ct.float32), P)
     else:
         pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)    # positions in the chunk
         c_t = token_rows(C, b, tile, g, BLOCK_T, N)
@@ -455,8 +456,8 @@ def bwd_compute_out_kernel(
                 # out = y + D x: dx gets D dy, dD gets this tile's sum of dy x
                 dy_f32 = dy_t.astype(ct.float32)
                 dx_acc = dx_acc + dy_f32 * skip_weight(D, h, P)[None, :]
-                dD_t = ct.sum(dy_f32 * x_t.astype(ct.float32), axis=0)
-                ct.store(dD, (b, tile, h, 0), ct.reshape(dD_t, (1, 1, 1, P)))
+                store_skip_partial(dD, D, b, tile, h,
+                                   ct.sum(dy_f32 * x_t.astype(ct.float32), axis=0), P)
             ct.store(dx, (b, tile, h, 0), ct.reshape(dx_acc, (1, BLOCK_T, 1, P)).astype(dx.dtype))
             ct.store(ddt, (b, h, c, t), ct.reshape(ddt_acc, (1, 1, 1, BLOCK_T)))
             ct.store(ddA, (b, h, c, t), ct.reshape(grad_dA, (1, 1, 1, BLOCK_T)))
@@ -624,13 +625,13 @@ def states_term(terms, b, h, c, t, BLOCK_T, SLICES):
     return acc
 
 
-def dx_zero_tile(ddt, ddA, dD, b, h, c, t, tile, zero, P, WITH_SKIP):
+def dx_zero_tile(ddt, ddA, D, dD, b, h, c, t, tile, zero, P, WITH_SKIP):
     """Token tile t of chunk c lies wholly past the sequence: head h's ddt and ddA there (whole
     chunks) are zero, and so is its dD partial."""
     ct.store(ddt, (b, h, c, t), zero)
     ct.store(ddA, (b, h, c, t), zero)
     if WITH_SKIP:
-        ct.store(dD, (b, tile, h, 0), ct.zeros((1, 1, 1, P), dtype=ct.float32))
+        store_skip_partial(dD, D, b, tile, h, ct.zeros((P,), dtype=ct.float32), P)
 
 
 def own_state_dx(B, dS, dA_cumsum, dA_t, dt_t, seq_idx, seq_t, seqlen, b, h, g, c, tile, CHUNK,
@@ -655,13 +656,23 @@ def skip_weight(D, h, P):
     return ct.reshape(row, (P,)).astype(ct.float32)
 
 
+def store_skip_partial(dD, D, b, tile, h, part, P):
+    """Head h's partial of dD for token tile ``tile``: ``part``, the tile's (P,) sum of dy x,
+    stored as it is for a 2-d D, and summed over P too for a 1-d D (one number per head: its
+    partials are (batch, token tiles, nheads, 1), headdim times fewer bytes to write and sum)."""
+    if D.ndim == 1:
+        ct.store(dD, (b, tile, h, 0), ct.reshape(ct.sum(part), (1, 1, 1, 1)))
+    else:
+        ct.store(dD, (b, tile, h, 0), ct.reshape(part, (1, 1, 1, P)))
+
+
 def skip_terms(D, dD, x, dx_acc, dy_t, b, tile, h, BLOCK_T, P, LOAD_LAT):
     """The skip out = y + D x for head h's token tile ``tile``: dx_acc plus D dy, returned, and
     dD's partial, the tile's sum of dy x, written."""
     d_h = skip_weight(D, h, P)
     x_t = token_rows(x, b, tile, h, BLOCK_T, P, LOAD_LAT)
-    ct.store(dD, (b, tile, h, 0), ct.reshape(
-        ct.sum(dy_t.astype(ct.float32) * x_t.astype(ct.float32), axis=0), (1, 1, 1, P)))
+    store_skip_partial(dD, D, b, tile, h,
+                       ct.sum(dy_t.astype(ct.float32) * x_t.astype(ct.float32), axis=0), P)
     return dx_acc + dy_t.astype(ct.float32) * d_h[None, :]
 
 
@@ -771,7 +782,7 @@ def bwd_token_dx_kernel(
     state_ddA: ct.IndexedWithInt64,     # (SLICES, batch, nheads, nchunks, CHUNK) float32
     dS: ct.IndexedWithInt64,            # unread unless WITH_STATES
     D: ct.IndexedWithInt64,             # (nheads,) or (nheads, headdim); unread unless WITH_SKIP
-    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim) float32 partials
+    dD: ct.IndexedWithInt64,            # (batch, token tiles, nheads, headdim or 1) float32
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
     cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
     rows: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
@@ -810,10 +821,11 @@ def bwd_token_dx_kernel(
         # Past the end of the sequence: only ddt and ddA (whole chunks) are there, all zero.
         zero = ct.zeros((1, 1, 1, BLOCK_T), dtype=ct.float32)
         if HEADS == 1:
-            dx_zero_tile(ddt, ddA, dD, b, first_head, c, t, tile, zero, P, WITH_SKIP)
+            dx_zero_tile(ddt, ddA, D, dD, b, first_head, c, t, tile, zero, P, WITH_SKIP)
         else:
             for k in range(HEADS):
-                dx_zero_tile(ddt, ddA, dD, b, first_head + k, c, t, tile, zero, P, WITH_SKIP)
+                dx_zero_tile(ddt, ddA, D, dD, b, first_head + k, c, t, tile, zero, P,
+                             WITH_SKIP)
     else:
         pos_t = t * BLOCK_T + ct.arange(BLOCK_T, dtype=ct.int32)
         seq_t = sequence_ids(seq_idx, b, tile, BLOCK_T, HAS_SEQ_IDX)
@@ -1236,8 +1248,9 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
             the states launch, at t * STATES_SLICES + k (one slice otherwise); its sum over the
             last axis is the term. Without dS, ddA_tiles is None.
         D (h,) or (h, p): the skip out = y + D x. dx then includes D dy, and dD's partials are
-            (b, token tiles, h, p) float32, each tile's sum of dy x (sum them over the first two
-            axes, and over p for a 1-D D). Without D, None.
+            (b, token tiles, h, p) float32 for a 2-d D, (b, token tiles, h, 1) for a 1-d D (summed
+            over p in the kernel), each tile's sum of dy x: sum them over the first two axes (and
+            the last, for a 1-d D). Without D, None.
         dx_dtype: dx's dtype (x's for the operator: complete dx rounded once from float32)."""
     if launches not in ("both", "entry", "tokens"):
         raise ValueError(f"launches must be 'both', 'entry' or 'tokens', got {launches!r}")
@@ -1280,7 +1293,9 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt * slices), torch.float32,
                                device, poison)
     if D is not None:
-        dD_parts = new_output((batch, tiles, nheads, headdim), torch.float32, device, poison)
+        # (a 1-d D's partials are summed over headdim in the kernel: store_skip_partial)
+        dD_parts = new_output((batch, tiles, nheads, headdim if D.dim() == 2 else 1),
+                              torch.float32, device, poison)
         # read as given, (h,) or (h, p) (skip_terms); other dtypes than the kernels' as float32
         D = (D if D.dtype in (torch.float32, torch.bfloat16, torch.float16)
              else D.float()).contiguous()
