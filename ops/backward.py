@@ -262,10 +262,10 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     slice_bytes = min(max(1, SLICE_ELEMENTS // width), seqlen) * width * f32
     ds = e if dtype == torch.bfloat16 else f32
     base = {"dt_out, dA_cumsum": 2 * chunked}
-    kept = {"dz": tokens * e} if z else {}
+    held = {"dz": tokens * e} if z else {}       # gradients held to the end
     dy = {"dy (x's dtype)": tokens * e} if z else {}          # else dout itself
     dinit = {"dinitial": final} if initial_states else {}
-    kept["dD"] = nheads * (headdim if D == 2 else 1) * f32
+    held["dD"] = nheads * (headdim if D == 2 else 1) * f32
     # the pass' term of d dA at each chunk's last token, one partial per state tile, alive until
     # bwd_chunk_cumsum sums it (as the token tiles' ddA_tiles, when the token kernel is fused)
     ps_tiles = (-(-headdim // min(ps_cfg["BLOCK_P"], tile_size(headdim)))
@@ -276,7 +276,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         recompute["y (pre-gate)"] = tokens * e
     # float32 slice temporaries alive at once: the gate's dz expression with z (without z the
     # gate has nothing to do: dy is dout, and the token kernel computes dD and the skip's dx)
-    gate = {**base, **kept, **dy, "entry states": states * se,
+    gate = {**base, **held, **dy, "entry states": states * se,
             "float32 slice temporaries": (8 if z else 0) * slice_bytes}
     if z:
         gate["y (pre-gate)"] = tokens * e
@@ -307,22 +307,22 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     steps = {
         "recompute": recompute,
         "gate": gate,
-        "compute_out's dentry": {**base, **kept, **dy, "entry states": states * se, **dentry},
-        "pass_state": {**base, **kept, **dy, "entry states": states * se,
+        "compute_out's dentry": {**base, **held, **dy, "entry states": states * se, **dentry},
+        "pass_state": {**base, **held, **dy, "entry states": states * se,
                        **dentry, "dS": states * ds, "dinitial": final, **last},
-        "compute_out's tokens": {**base, **kept, **dy, **dinit, **last, "entry states": states * se,
+        "compute_out's tokens": {**base, **held, **dy, **dinit, **last, "entry states": states * se,
                                  "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
                                  "dB, dC partials": 2 * out_splits * groups, **token_parts,
                                  **scores},
-        "the split partials summed": {**base, **kept, **dinit, **last, "dS": states * ds, **dx,
+        "the split partials summed": {**base, **held, **dinit, **last, "dS": states * ds, **dx,
                                       "ddt_out, ddA": 2 * chunked,
                                       "dB, dC partials": 2 * out_splits * groups,
                                       "dB, dC (their sums)": 2 * split_sum(out_splits),
                                       **token_parts},
-        "chunk_cumsum": {**base, **kept, **dinit, **last, **dx, "dB, dC": 2 * groups,
+        "chunk_cumsum": {**base, **held, **dinit, **last, **dx, "dB, dC": 2 * groups,
                          "ddt_out, ddA": 2 * chunked, **ends,
                          "ddt (b, L, h)": batch * seqlen * nheads * f32},
-        "gradients in x's dtype": {**base, **kept, **dinit, **dx, "dB, dC": 2 * groups,
+        "gradients in x's dtype": {**base, **held, **dinit, **dx, "dB, dC": 2 * groups,
                                    "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
                                    "ddt (b, L, h)": batch * seqlen * nheads * f32},
     }
@@ -332,7 +332,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         cs_cfg = resolve_config(configs.get("bwd_chunk_states"), chunk_states_config(**shape))
         cs_splits = per_group // cs_cfg["HEADS_PER_BLOCK"]
         steps["chunk_states"] = {
-            **base, **kept, **dinit, **last, "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
+            **base, **held, **dinit, **last, "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
             "dB, dC": 2 * groups, "chunk_states' dB partials": cs_splits * groups,
             "chunk_states' dB (their sum)": split_sum(cs_splits),
             "chunk_states' ddA_tiles": chunked // cs_cfg["BLOCK_T"],

@@ -475,6 +475,26 @@ def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeyp
 
 
 @pytest.mark.gpu
+def test_the_accounting_of_kept_intermediates():
+    """With the forward's intermediates kept (``kept=True``) the entry states and the (b, h, c,
+    l) intermediates are alive in every step, to the end of the backward, and nothing is made
+    by a recompute (no final state); without, the entry states are gone after the token launch.
+    At the 2.7B training shape that changes no step's total past the token launch enough to
+    move the peak."""
+    import ops.backward as bwd
+    shape = dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128,
+                 chunk_size=128)
+    made, kept = bwd.memory_accounting(**shape), bwd.memory_accounting(**shape, kept=True)
+    assert "entry states" not in made["chunk_cumsum"] and "final state" in made["recompute"]
+    assert all("entry states" in step and "dt_out, dA_cumsum" in step
+               for name, step in kept.items() if name != "peak")
+    assert "final state" not in kept["recompute"]
+    assert kept["peak"] == made["peak"]
+    # a 1-d D's partials of dD are headdim times smaller than a 2-d D's
+    parts = lambda d: bwd.memory_accounting(**shape, D=d)["compute_out's tokens"]["dD partials"]
+    assert parts(2) == 64 * parts(1)
+
+
 def test_peak_memory_on_gpu():
     """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16
     heads of 64 x 128, 1 group, bf16, a caller's chunk 256 (computed at 128 on an H200:
