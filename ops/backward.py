@@ -309,7 +309,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         "gate": gate,
         "compute_out's dentry": {**base, **held, **dy, "entry states": states * se, **dentry},
         "pass_state": {**base, **held, **dy, "entry states": states * se,
-                       **dentry, "dS": states * ds, "dinitial": final, **last},
+                       **dentry, "dS": states * ds, **dinit, **last},
         "compute_out's tokens": {**base, **held, **dy, **dinit, **last, "entry states": states * se,
                                  "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
                                  "dB, dC partials": 2 * out_splits * groups, **token_parts,
@@ -553,7 +553,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     # bf16 inputs: the products round dS to bf16, so it is stored so.
     ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     pass_args = (dfinal, entry, dA_cumsum, seq_idx)
-    pass_options = dict(poison=poison, ds_dtype=ds_dtype, dy=dy, C=C_)
+    # (no initial states: the walk stops at chunk 0, without dinitial)
+    pass_options = dict(poison=poison, ds_dtype=ds_dtype, dy=dy, C=C_,
+                        with_dinitial=initial_states is not None)
     tuned = tuned_config("bwd_pass_state", configs, tuning, features, lambda c: run(
         bwd_pass_state_plan(None, *pass_args, config=c, **pass_options)))
     ps_config = backward_config({"bwd_pass_state": tuned}, "bwd_pass_state", **walk_shape)
@@ -570,8 +572,6 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
                                                            **pass_options))
     del pass_args, pass_options
     del dentry
-    if initial_states is None:
-        del dinitial                           # no input to give it to
     # The token kernel: compute_out's gradients, the skip's (dx += D dy, dD's partials) and,
     # fused, those through each chunk's own state; then dx is complete, in its final dtype.
     token_options = dict(poison=poison, launches="tokens", dS=dS if fused else None, D=D,

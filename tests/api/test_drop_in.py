@@ -932,7 +932,8 @@ def test_an_unused_outputs_gradient_is_not_materialised(monkeypatch):
     (dict(dstate=16, state_dtype=torch.bfloat16), False),      # widened to float32 to be read
     (dict(dstate=16, wanted=("D",)), False),                   # no backward kernel runs
     (dict(dstate=16, setting="0"), False),                     # MAMBA2_CUTILE_KEEP_INTERMEDIATES
-], ids=["kept", "larger-states", "bf16-states-of-float32", "only-D", "switched-off"])
+    (dict(dstate=16, wanted=("x", "B", "z")), True),           # dz: compute_out again, on them
+], ids=["kept", "larger-states", "bf16-states-of-float32", "only-D", "switched-off", "dz"])
 def test_a_training_steps_forward_keeps_its_intermediates_where_it_should(monkeypatch, case,
                                                                           kept):
     """An eager training step's forward keeps dt_out, dA_cumsum and the entry states for the
@@ -970,6 +971,7 @@ def test_a_training_steps_forward_keeps_its_intermediates_where_it_should(monkey
     assert given == [kept]
     recomputes = {"chunk_cumsum_kernel", "fwd_pass_state_kernel"} & set(launched)
     assert bool(recomputes) == (not kept and wanted != ("D",)), launched
+    assert ("compute_out_kernel" in launched) == ("z" in wanted)        # y, for dz
     monkeypatch.setattr(ops.backward, "keeps", lambda x, entry: False)
     again, _ = step()
     assert given == [False]

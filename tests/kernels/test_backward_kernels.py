@@ -474,7 +474,6 @@ def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeyp
     assert 0.9 * (out_bytes + bound) <= whole.peak <= out_bytes + bound
 
 
-@pytest.mark.gpu
 def test_the_accounting_of_kept_intermediates():
     """With the forward's intermediates kept (``kept=True``) the entry states and the (b, h, c,
     l) intermediates are alive in every step, to the end of the backward, and nothing is made
@@ -495,6 +494,7 @@ def test_the_accounting_of_kept_intermediates():
     assert parts(2) == 64 * parts(1)
 
 
+@pytest.mark.gpu
 def test_peak_memory_on_gpu():
     """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16
     heads of 64 x 128, 1 group, bf16, a caller's chunk 256 (computed at 128 on an H200:

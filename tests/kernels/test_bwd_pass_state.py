@@ -119,7 +119,8 @@ def test_fused_entry_checks_its_inputs():
                          + [("sm_90", True), ("sm_100", True)])
 def test_fused_entry_compiles(arch, walk):
     """At a ~2.7B layer (80 heads of 64 x 128, one group), bf16, chunk 256; ``walk``: with
-    ``walk_config``'s keys, as the backward runs it."""
+    ``walk_config``'s keys and no dinitial (a layer without initial states), as the backward
+    runs it."""
     from ops.tools.aot import compile_cubin
     meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
     bf = torch.bfloat16
@@ -127,8 +128,29 @@ def test_fused_entry_compiles(arch, walk):
     plan = bwd_pass_state_plan(None, meta(1, 80, 64, 128), meta(1, 64, 80, 64, 128, dt=bf),
                                meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32),
                                config=config, ds_dtype=bf,
-                               dy=meta(1, 16384, 80, 64, dt=bf), C=meta(1, 16384, 1, 128, dt=bf))
+                               dy=meta(1, 16384, 80, 64, dt=bf), C=meta(1, 16384, 1, 128, dt=bf),
+                               with_dinitial=not walk)
     assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fuse", [False, True], ids=["dentry", "fused-entry"])
+def test_without_dinitial_the_walk_stops_at_chunk_0(device, fuse):
+    """``with_dinitial=False`` (a layer without initial states): the same dS and partials of
+    d dA[last], bit for bit, and no dinitial (the walk skips chunk 0's dentry, which only
+    dinitial reads)."""
+    p = problem()
+    from ops.runtime.launch import run
+    dy = torch.randn(2, 77, 4, 16, generator=torch.Generator().manual_seed(2))
+    C = torch.randn(2, 77, 2, 32, generator=torch.Generator().manual_seed(3))
+    on = lambda t: None if t is None else t.to(device)
+    extra = dict(config=dict(FUSE_ENTRY=True, ENTRY_BLOCK_T=16), dy=on(dy), C=on(C)) if fuse else {}
+    args = (None if fuse else on(p["dentry"]), on(p["dfinal"]), on(p["entry"]),
+            on((p["dA"] * LOG2E).float()), on(p["seq_idx"]))
+    full = run(bwd_pass_state_plan(*args, poison=True, **extra))
+    short = run(bwd_pass_state_plan(*args, poison=True, with_dinitial=False, **extra))
+    assert short[2] is None and full[2] is not None and torch.isfinite(full[2]).all()
+    assert torch.equal(short[0], full[0]) and torch.equal(short[1], full[1])
 
 
 def test_walk_config_narrows_only_128_column_tiles():

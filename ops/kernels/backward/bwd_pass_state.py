@@ -65,7 +65,8 @@ def bwd_pass_state_kernel(
     seq_idx: ct.IndexedWithInt64,      # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
     dS: ct.IndexedWithInt64,           # (batch, nchunks, nheads, headdim, dstate), ds_dtype
     da_parts,                          # (batch, nheads, nchunks, tiles) float32
-    dinitial,                          # (batch, nheads, headdim, dstate) float32
+    dinitial,                          # (batch, nheads, headdim, dstate) float32; unwritten
+                                       # unless WITH_DINITIAL
     dy: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim); read if FUSE_ENTRY
     C: ct.IndexedWithInt64,            # (batch, seqlen, ngroups, dstate); read if FUSE_ENTRY
     heads_per_group: int,
@@ -79,6 +80,7 @@ def bwd_pass_state_kernel(
     BF16_OPERANDS: ConstBool,          # dentry's product in dy's dtype (bf16), else float32
     LOAD_LAT: ConstInt,                # latency hint of the dentry and entry loads; 0 = none
     STORE_LAT: ConstInt,               # latency hint of the dS stores; 0 = none
+    WITH_DINITIAL: ConstBool,          # carry the walk past chunk 0 to dinitial (else stop)
 ):
     tile_id, h, b = ct.bid(0), ct.bid(1), ct.bid(2)
     n_ptiles = ct.cdiv(entry.shape[3], BLOCK_P)
@@ -103,13 +105,31 @@ def bwd_pass_state_kernel(
             a = ct.where(seq_end == seq_start, a, 0.0)
         e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
         ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
-        if FUSE_ENTRY:
-            g = a * g + entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group,
-                                       pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
-                                       HAS_SEQ_IDX, BF16_OPERANDS)
-        else:
-            g = a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
-    ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
+        # the gradient of the state before chunk c; before chunk 0 it is dinitial's alone, and
+        # without initial states no one reads it: the walk stops there (no dentry for chunk 0)
+        if WITH_DINITIAL:
+            g = earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h,
+                                 heads_per_group, pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
+                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT)
+        elif c > 0:
+            g = earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h,
+                                 heads_per_group, pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
+                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT)
+    if WITH_DINITIAL:
+        ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
+
+
+def earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h, heads_per_group, pi, ni,
+                     CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, FUSE_ENTRY,
+                     BF16_OPERANDS, LOAD_LAT):
+    """One step of the walk: the gradient of chunk c's entry state (``g``, carried through the
+    chunk's decay ``a``) plus chunk c's dentry, formed here from dy and C (FUSE_ENTRY) or
+    loaded: the gradient of the state before chunk c."""
+    if FUSE_ENTRY:
+        return a * g + entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group,
+                                      pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
+                                      HAS_SEQ_IDX, BF16_OPERANDS)
+    return a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
 
 
 # Configs and launching -------------------------------------------------------------------------
@@ -170,9 +190,10 @@ def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
 
 def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=None,
                         block_n=None, poison=False, config=None, ds_dtype=torch.float32,
-                        dy=None, C=None):
+                        dy=None, C=None, with_dinitial=True):
     """The launch (an ``ops.runtime.launch.Plan``; outputs dS (in ``ds_dtype``), the per-tile partials of
-    d dA[last], dinitial). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
+    d dA[last], dinitial; ``with_dinitial=False``: None for dinitial, and the walk stops after
+    chunk 0's dS, without that chunk's dentry). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
     ``search_space`` (or part of one; missing keys take ``default_config``'s values);
     ``block_p`` / ``block_n``, when given, override its tiles. With FUSE_ENTRY the kernel forms
     dentry itself from ``dy`` (b, L, h, p) and ``C`` (b, L, g, n), contiguous, which it then
@@ -192,16 +213,19 @@ def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=
     tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
     dS = new_output(entry.shape, ds_dtype, entry.device, poison)
     da_parts = new_output((batch, nheads, nchunks, tiles), torch.float32, entry.device, poison)
-    dinitial = new_output((batch, nheads, headdim, dstate), torch.float32, entry.device, poison)
+    dinitial = (new_output((batch, nheads, headdim, dstate), torch.float32, entry.device, poison)
+                if with_dinitial else None)
     seq_idx = as_int32(seq_idx)
     device = entry.device
+    dinitial_arg = dinitial if with_dinitial else unread_stand_in(device, 4)
     args = (dentry if not fuse else unread_stand_in(device, 5),
-            dfinal if dfinal is not None else dinitial, entry, dA_cumsum,
-            seq_idx if seq_idx is not None else dA_cumsum, dS, da_parts, dinitial,
+            dfinal if dfinal is not None else dinitial_arg, entry, dA_cumsum,
+            seq_idx if seq_idx is not None else dA_cumsum, dS, da_parts, dinitial_arg,
             dy if fuse else unread_stand_in(device, 4), C if fuse else unread_stand_in(device, 4),
             nheads // C.shape[2] if fuse else 1, chunk_size, bp, bn,
             min(cfg["ENTRY_BLOCK_T"], chunk_size), dfinal is not None, seq_idx is not None, fuse,
-            fuse and dy.dtype == torch.bfloat16, cfg["LOAD_LAT"], cfg["STORE_LAT"])
+            fuse and dy.dtype == torch.bfloat16, cfg["LOAD_LAT"], cfg["STORE_LAT"],
+            bool(with_dinitial))
     kernel = with_hints(fit_index_width(bwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
     return Plan((tiles, nheads, batch), kernel, args, (dS, da_parts, dinitial))
 
