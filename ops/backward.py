@@ -111,14 +111,14 @@ from ops.kernels.backward import bwd_chunk_cumsum as chunk_cumsum_module
 from ops.kernels.backward import bwd_chunk_states as chunk_states_module
 from ops.kernels.backward import bwd_compute_out as compute_out_module
 from ops.kernels.backward import bwd_pass_state as pass_state_module
-from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum_plan
+from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum, bwd_chunk_cumsum_plan
 from ops.tuning.autotune import mode, tuner
 from ops.tuning.compute_chunk import kernel_chunk
 from ops.tuning.configs import resolve_config, unique
 from ops.runtime.launch import run
 from ops.inputs import as_kernel_input, check_values
 from ops.checks import tile_size
-from ops.kernels.common import as_int32
+from ops.kernels.common import as_int32, sum_splits
 
 Tensor = torch.Tensor
 
@@ -149,6 +149,15 @@ def backward_config(configs, name, **shape):
     the shape, then those of ``configs[name]`` (a missing key: the kernel's default)."""
     chain = BACKWARD_DEFAULTS[name](**shape) if name in BACKWARD_DEFAULTS else {}
     return {**chain, **((configs or {}).get(name) or {})}
+
+
+def pass_config(configs, **walk_shape):
+    """``bwd_pass_state``'s whole config as ``kernel_backward`` runs it (``backward_config``'s
+    keys over the kernel's default); ``walk_shape``: headdim, dstate, dtype (the entry
+    states' as the kernels read them)."""
+    return resolve_config(backward_config(configs, "bwd_pass_state", **walk_shape),
+                          pass_state_config(**walk_shape))
+
 
 # Tuned configs ---------------------------------------------------------------------------------
 #
@@ -254,8 +263,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
     walk_shape = dict(headdim=headdim, dstate=dstate, dtype=entry_dtype)
-    ps_cfg = resolve_config(backward_config(configs, "bwd_pass_state", **walk_shape),
-                            pass_state_config(**walk_shape))
+    ps_cfg = pass_config(configs, **walk_shape)
     fuse_entry = ps_cfg["FUSE_ENTRY"]
     dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
     width = nheads * headdim
@@ -558,16 +566,14 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
                         with_dinitial=initial_states is not None)
     tuned = tuned_config("bwd_pass_state", configs, tuning, features, lambda c: run(
         bwd_pass_state_plan(None, *pass_args, config=c, **pass_options)))
-    ps_config = backward_config({"bwd_pass_state": tuned}, "bwd_pass_state", **walk_shape)
-    fuse_entry = resolve_config(ps_config, pass_state_config(**walk_shape))["FUSE_ENTRY"]
+    ps_config = pass_config({"bwd_pass_state": tuned}, **walk_shape)
     dentry = None
-    if not fuse_entry:
+    if not ps_config["FUSE_ENTRY"]:
         dentry, = run(bwd_compute_out_plan(*out_inputs, poison=poison, config=co_config,
                                            launches="entry"))
+        pass_options.update(dy=None, C=None)
     # (ddA's term at each chunk's last token as partials, one per state tile: bwd_chunk_cumsum
     # sums them where it reads ddA)
-    if not fuse_entry:
-        pass_options.update(dy=None, C=None)
     dS, ddA_last_parts, dinitial = run(bwd_pass_state_plan(dentry, *pass_args, config=ps_config,
                                                            **pass_options))
     del pass_args, pass_options
@@ -583,9 +589,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     del token_options
     del entry, out_inputs, dy                  # (dy: dout itself without z)
     # the head splits' partials, added in a fixed order (one split: the kernel's own sums)
-    dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
+    dB = sum_splits(dB_parts)
     del dB_parts
-    dC = dC_parts[0] if dC_parts.shape[0] == 1 else dC_parts.sum(0)
+    dC = sum_splits(dC_parts)
     del dC_parts
     if fused:
         del dS
@@ -615,7 +621,7 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         del states_args
         del dS
         # chunk_states' dB, summed over the group's heads (its head splits' partials in order)
-        dB += dB_s[0] if dB_s.shape[0] == 1 else dB_s.sum(0)
+        dB += sum_splits(dB_s)
         del dB_s
         chunk_ends = (ddA_tiles, ddA_last_parts)
     del ddA_tiles, ddA_last_parts
@@ -628,13 +634,9 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
                    None if dt_bias is None else dt_bias.contiguous(), dt_softplus, dt_limit)
     cc_config = tuned_config("bwd_chunk_cumsum", configs, tuning, features, lambda c: run(
         bwd_chunk_cumsum_plan(*cumsum_args, config=c, chunk_ends=chunk_ends)))
-    ddt, dA_parts, dbias_parts = run(bwd_chunk_cumsum_plan(
-        *cumsum_args, poison=poison, config=cc_config, chunk_ends=chunk_ends))
+    ddt, dA, ddt_bias = bwd_chunk_cumsum(*cumsum_args, poison=poison, config=cc_config,
+                                         chunk_ends=chunk_ends)
     del ddA, chunk_ends, cumsum_args
-    # the chunks' partials of dA and ddt_bias, in a fixed order
-    dA = dA_parts.sum((0, 1))
-    ddt_bias = None if dt_bias is None else dbias_parts.sum((0, 1))
-    del dA_parts, dbias_parts
     if dD is not None:
         grads["dD"] = dD.to(out_dtype("D"))
     grads.update(dx=dx.to(out_dtype("x")), ddt=ddt.to(out_dtype("dt")), dA=dA.to(out_dtype("A")),

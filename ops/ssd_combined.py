@@ -89,7 +89,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     if resolved != "reference" and x.dtype not in KERNEL_DTYPES:
         raise TypeError(f"backend={resolved!r} takes x, B, C, z in float32, bfloat16 or float16; "
                         f"got {x.dtype} (float64 works with backend='reference')")
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    wants_grad = grad                          # (computed before the checks, for the replay)
     if wants_grad and return_varlen_states and resolved != "reference":
         raise NotImplementedError(
             "gradients through return_varlen_states are not implemented for the kernel "

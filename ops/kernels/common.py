@@ -57,6 +57,13 @@ def multiprocessors(device=None):
     return H200_MULTIPROCESSORS
 
 
+def sum_splits(parts):
+    """The sum over the leading axis of a kernel's partials, one per split of the work (a
+    group's heads split over blocks: no atomics), in a fixed order; with one split, that one
+    (a view, no operator run)."""
+    return parts[0] if parts.shape[0] == 1 else parts.sum(0)
+
+
 def new_output(shape, dtype, device, poison=False):
     """An output buffer for a kernel to fill. ``poison=True`` fills it with NaN first, so an
     element the kernel fails to write shows up in tests; by default it is left uninitialised

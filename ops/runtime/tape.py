@@ -47,6 +47,7 @@ CACHE_SIZE = 256
 _OP, _LAUNCH = 0, 1
 _SLOT, _VALUE, _SEQUENCE = 0, 1, 2
 
+
 def clear():
     """Forget every recorded call (after changing a setting the calls read: see above)."""
     _TAPES.clear()
@@ -327,25 +328,17 @@ class Tape:
 # binding means too (a strided, unpinned, contiguous allocation, say); any other call, and any
 # other operator, is replayed through the overload itself.
 
-def _plain_factory(kwargs, extra=()):
-    """An allocation's keyword arguments say nothing but its dtype and device (and ``extra``)."""
-    return (kwargs.keys() <= {"dtype", "layout", "device", "pin_memory", "memory_format",
-                              *extra}
-            and kwargs.get("layout") in (None, torch.strided) and not kwargs.get("pin_memory")
-            and kwargs.get("memory_format") in (None, torch.contiguous_format))
-
-
-def _fast_empty(kwargs):
-    if not _plain_factory(kwargs):
-        return None
-    return functools.partial(torch.empty, dtype=kwargs.get("dtype"), device=kwargs.get("device"))
-
-
-def _fast_new_empty(kwargs):
-    if not _plain_factory(kwargs):
-        return None
-    return functools.partial(torch.Tensor.new_empty, dtype=kwargs.get("dtype"),
-                             device=kwargs.get("device"))
+def _allocation(function):
+    """``function`` (``torch.empty``, ``Tensor.new_empty``) for an allocation whose keyword
+    arguments say nothing but its dtype and device (strided, unpinned, contiguous)."""
+    def fast(kwargs):
+        plain = (kwargs.keys() <= {"dtype", "layout", "device", "pin_memory", "memory_format"}
+                 and kwargs.get("layout") in (None, torch.strided)
+                 and not kwargs.get("pin_memory")
+                 and kwargs.get("memory_format") in (None, torch.contiguous_format))
+        return (functools.partial(function, dtype=kwargs.get("dtype"),
+                                  device=kwargs.get("device")) if plain else None)
+    return fast
 
 
 def _fast_to_copy(kwargs):
@@ -369,8 +362,8 @@ def _fast_call(func, kwargs):
     if not _FAST:
         aten = torch.ops.aten
         _FAST.update({
-            aten.empty.memory_format: _fast_empty,
-            aten.new_empty.default: _fast_new_empty,
+            aten.empty.memory_format: _allocation(torch.empty),
+            aten.new_empty.default: _allocation(torch.Tensor.new_empty),
             aten._to_copy.default: _fast_to_copy,
             aten.sum.dim_IntList: _with_kwargs(torch.sum, {"dtype"}),
             aten.select.int: _with_kwargs(torch.select, set()),

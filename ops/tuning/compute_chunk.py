@@ -36,7 +36,9 @@ the caller's chunk.
 
 What it costs: the entry states, (b, chunks, h, p, n), double at half the chunk, and so does
 the backward's dS, their gradient. That memory is transient, one layer's scan at a time: the
-forward's entry states are freed when it returns (the backward recomputes them). The forward's
+forward's entry states are freed when it returns (the backward recomputes them), but where a
+training step's forward keeps them for its backward (``ops.backward.keeps``: no larger than x,
+which at 128 means dstate up to 128), until that backward has run. The forward's
 peak and a training step's rise accordingly (``models_h200.csv``'s ``peak_mem_mb``;
 ``fwd_bwd_h200.csv``, beside Triton's, against the same step at exactly the caller's 256,
 ``fwd_bwd_caller_h200.csv``; PERF_NOTES.md compares them).

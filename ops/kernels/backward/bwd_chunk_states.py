@@ -44,7 +44,7 @@ import cuda.tile as ct
 
 from ops.tuning.configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from ops.runtime.launch import Plan, fit_index_width, run
-from ops.kernels.common import (ZERO, ConstBool, ConstInt, as_int32, cdiv, latency_hint, multiprocessors,
+from ops.kernels.common import (ZERO, sum_splits, ConstBool, ConstInt, as_int32, cdiv, latency_hint, multiprocessors,
                     new_output, tile_size)
 
 
@@ -273,6 +273,6 @@ def bwd_chunk_states(dS, x, B, dt_out, dA_cumsum, seq_idx=None, poison=False, co
     dx, dB_parts, ddt, ddA, ddA_tiles = run(bwd_chunk_states_plan(
         dS, x, B, dt_out, dA_cumsum, seq_idx, poison, config, accumulate))
     # Fixed-order sums: the head splits' dB partials, the token tiles' last-token terms.
-    dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
+    dB = sum_splits(dB_parts)
     ddA[..., -1] += ddA_tiles.sum(-1)
     return dx, dB, ddt, ddA

@@ -153,7 +153,7 @@ import cuda.tile as ct
 
 from ops.tuning.configs import group_divisors, resolve_config, token_tiling, unique, with_hints
 from ops.runtime.launch import Plan, fit_index_width, run
-from ops.kernels.common import (latency_hint, carried_weight, chunk_scores_plan, chunk_tokens, entry_gradient, new_scores, sequence_ids, NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
+from ops.kernels.common import (latency_hint, sum_splits, carried_weight, chunk_scores_plan, chunk_tokens, entry_gradient, new_scores, sequence_ids, NEG_INF, ZERO, ConstBool, ConstInt, as_int32, cdiv, check_groups,
                     check_sizes, multiprocessors, new_output, tile_size, unread_stand_in)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -1397,6 +1397,5 @@ def bwd_compute_out(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None, 
     dx, dB_parts, dC_parts, ddt, ddA, _, _, dentry = run(bwd_compute_out_plan(
         dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx, poison, config))
     # The head splits' partials, added in a fixed order (one split: the kernel's own sums).
-    dB = dB_parts[0] if dB_parts.shape[0] == 1 else dB_parts.sum(0)
-    dC = dC_parts[0] if dC_parts.shape[0] == 1 else dC_parts.sum(0)
+    dB, dC = sum_splits(dB_parts), sum_splits(dC_parts)
     return dx, dB, dC, ddt, ddA, dentry
