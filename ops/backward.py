@@ -46,21 +46,28 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     Nothing token-sized is held in float32 or per head: dx is written once in x's dtype, dB and
     dC are summed over a group's heads in the token kernel, and the gate runs over slices of the
     tokens (``SLICE_ELEMENTS``).
-    The peak is compute_out's token launch: 486 MiB at chunk 256, 618 MiB at 128 (the chunk
-    an H200 computes a caller's 256 at: ``ops/tuning/compute_chunk.py``); with z, whose dz and dy in
-    x's dtype add 2 x 160 MiB, 806 and 938 MiB. Alive there, MiB at 256 (at 128):
-        dx in x's dtype 160, written once by the token launch (no float32 dx)
-        dS 80 (160), stored in bf16 for bf16 inputs (the products round it so anyway)
-        entry states 80 (160), freed after compute_out's token launch (kept from a training
-        step's forward, ``keeps``: alive through the whole backward, which the peak holds anyway)
-        dB, dC head-split partials: 4 splits x 2 x 8 (``bwd_compute_out.BLOCKS_PER_SM``, at
-        most ``MAX_SPLITS``); C B^T per chunk and group 16 (8), float32; the pair kernel's
-        d(C B^T) head-split partials 16 (16) and its row and column sums of dG G 40 (20)
-        dt_out, dA_cumsum, ddt_out, ddA_cumsum (b, h, c, l) 4 x 5; dD's partials 0.1 (a
-        1-d D's, summed over headdim in the kernel; a 2-d D's 5)
-        dy: dout itself (without z); y not computed without z; no dentry (the pass forms it:
-        FUSE_ENTRY), which with FUSE_ENTRY=False is a float32 (b, c, h, p, n) buffer, 160
-        (320), alive through the pass, whose step is then the peak at 128 (670 MiB).
+    The token work's two launches (SPLIT_DX, the default) run as two plans, and what only the
+    first reads is gone before the second's outputs exist: the states launch is the last reader
+    of the entry states and of d(C B^T)'s partials and makes dB's and dC's head-split partials;
+    those are summed, then dx is allocated for the dx launch. The peak is the states launch at
+    chunk 128 (the chunk an H200 computes a caller's 256 at: ``ops/tuning/compute_chunk.py``),
+    448 MiB, and the dx launch at 256, 342 MiB; with z, whose dz and dy in x's dtype add
+    2 x 160 MiB, the gate (778 and 698 MiB). Alive there, MiB at 128 (at 256):
+        the states launch, 448 (316): entry states 160 (80); dS 160 (80), stored in bf16 for
+        bf16 inputs (the products round it so anyway); dB, dC head-split partials 4 splits x
+        2 x 8 (``bwd_compute_out.BLOCKS_PER_SM``, at most ``MAX_SPLITS``); the pair kernel's
+        d(C B^T) head-split partials 16 (16), C B^T per chunk and group 8 (16), float32, and
+        its row and column sums of dG G 20 (40); the states' ddt and ddA terms 10; dt_out,
+        dA_cumsum 10
+        the dx launch, 394 (342): dx in x's dtype 160, written once (no float32 dx); dS; dB and
+        dC 16; C B^T, the sums of dG G and the states' terms as above; ddt_out, ddA_cumsum 10;
+        dD's partials 0.1 (a 1-d D's, summed over headdim in the kernel; a 2-d D's 5)
+    The entry states are freed after the states launch whether the recompute made them or a
+    training step's forward kept them (``keeps``: handed over to the backward, ``ops.torch_op``,
+    not held by the autograd node). dy is dout itself (without z); y is not computed without z;
+    there is no dentry (the pass forms it: FUSE_ENTRY), which with FUSE_ENTRY=False is a
+    float32 (b, c, h, p, n) buffer, 160 (320), alive through the pass, whose step is then the
+    peak at 128 (650 MiB).
     A training step's peak adds the forward's output and the gradients to this; it is measured
     by ``tests/benchmark/fwd_bwd.py`` (``tests/benchmark/results/fwd_bwd_h200.csv`` at the model
     shapes, next to mamba_ssm's Triton: PERF_NOTES.md, "The backward computes at the forward's
@@ -74,7 +81,10 @@ Saved and recomputed
     intermediates dt_out, dA_cumsum (log2 units, as the backward kernels read it) and the entry
     states (in the forward's state dtype: the values the forward's compute_out read) where they
     take no more memory than x (``keeps``; ``MAMBA2_CUTILE_KEEP_INTERMEDIATES=0`` turns that
-    off); otherwise, and for traced calls, the backward runs the forward kernels once more,
+    off, and nothing is kept under saved-tensor hooks: a checkpoint's or an offload's would not
+    reach them). The backward takes them from the autograd node and frees each after its last
+    reader; a second backward through a retained graph makes them again. Otherwise, and for
+    traced calls, the backward runs the forward kernels once more,
     without D and z, to make them: at most one forward pass, and no memory between the passes.
     compute_out runs again only when dz is wanted: its output is then the pre-gate y (the one
     forward value dz needs; D x is added on the host). When only D and z want gradients the
@@ -242,8 +252,9 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     lists them: a dict of step -> {tensor: bytes}, and "peak" -> (step, bytes). Inputs are
     taken contiguous (views are copied, and dout in x's dtype: otherwise dy is a copy of it).
     Every tensor is counted, the (b, h, c, l) ones too. ``kept``: the forward's intermediates
-    come from the forward (``keeps``), counted as alive through the whole backward (the step's
-    autograd node holds them until it returns), not made by a recompute. ``D``: its number of
+    come from the forward (``keeps``), handed over to the backward (``ops.torch_op``: the
+    autograd node holds them no longer), so alive as a recompute's would be; no final state is
+    made. ``D``: its number of
     dimensions (1: one number per head, as Mamba-2's; 2: (nheads, headdim)), which sets the size
     of the token kernel's partials of dD."""
     configs = configs or {}
@@ -291,7 +302,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     split_sum = lambda n: groups if n > 1 else 0              # the sum of n > 1 partials
     tiles = nchunks * (chunk_size // out_cfg["BLOCK_T"])
     # (a 1-d D's partials are summed over headdim in the kernel)
-    token_parts = {"dD partials": batch * tiles * nheads * (headdim if D == 2 else 1) * f32}
+    dd_parts = {"dD partials": batch * tiles * nheads * (headdim if D == 2 else 1) * f32}
+    token_parts = {}
     # the states launch's dstate slices (SPLIT_DX): a ddA tile sum and a ddt and ddA term each
     slices = compute_out_slices(out_cfg)
     ends = {}                               # alive until bwd_chunk_cumsum sums them
@@ -299,41 +311,63 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
         token_parts["ddA_tiles"] = ends["ddA_tiles"] = chunked // out_cfg["BLOCK_T"] * slices
     else:                                   # one-element tensors passed for dS and ddA_tiles
         token_parts["unread stand-ins"] = 2 * f32
-    # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY)
+    # C B^T per (chunk, group), alive while the token kernel runs (SCORES_IN_MEMORY); with the
+    # pair kernel, which makes it, its d(C B^T) partials (read by the states launch with
+    # SPLIT_DX) and the sums of dG and the states' terms the dx launch reads
     scores = ({"C B^T scores": batch * nchunks * ngroups * chunk_size ** 2 * f32}
               if out_cfg["SCORES_IN_MEMORY"] or out_cfg["PAIRS"] else {})
+    pair_parts = {}
     if out_cfg["PAIRS"]:
         # the pair kernel's d(C B^T) head-split partials and its two sums of dG per head
         pair_splits = per_group // out_cfg["PAIR_HEADS_PER_BLOCK"]
-        scores["d(C B^T) partials"] = pair_splits * scores["C B^T scores"]
+        pair_parts["d(C B^T) partials"] = pair_splits * scores["C B^T scores"]
         scores["dG's row and column sums"] = 2 * chunked * (chunk_size // out_cfg["BLOCK_T"])
         if out_cfg["SPLIT_DX"]:
             scores["the states' ddt and ddA terms"] = 2 * chunked * slices
     # fused: dx written once, complete, in x's dtype; else float32, completed by chunk_states
     # and converted at the end
     dx = {"dx (x's dtype)": tokens * e} if fused else {"dx (float32)": tokens * f32}
+    # dB's and dC's head-split partials, and the moment dB's sum is made (dC's, after dB's
+    # partials are gone, takes no more)
+    split_parts = {"dB, dC partials": 2 * out_splits * groups}
+    summing = {**split_parts, "dB (their sum)": split_sum(out_splits)}
+    ddt_dda = {"ddt_out, ddA": 2 * chunked}
+    pass_on = {**base, **held, **dinit, **last}         # alive from the pass to the end
     steps = {
         "recompute": recompute,
         "gate": gate,
         "compute_out's dentry": {**base, **held, **dy, "entry states": states * se, **dentry},
-        "pass_state": {**base, **held, **dy, "entry states": states * se,
-                       **dentry, "dS": states * ds, **dinit, **last},
-        "compute_out's tokens": {**base, **held, **dy, **dinit, **last, "entry states": states * se,
-                                 "dS": states * ds, **dx, "ddt_out, ddA": 2 * chunked,
-                                 "dB, dC partials": 2 * out_splits * groups, **token_parts,
-                                 **scores},
-        "the split partials summed": {**base, **held, **dinit, **last, "dS": states * ds, **dx,
-                                      "ddt_out, ddA": 2 * chunked,
-                                      "dB, dC partials": 2 * out_splits * groups,
-                                      "dB, dC (their sums)": 2 * split_sum(out_splits),
-                                      **token_parts},
+        "pass_state": {**pass_on, **dy, "entry states": states * se, **dentry, "dS": states * ds},
+    }
+    if out_cfg["SPLIT_DX"]:
+        # two plans: the states launch, dB's and dC's partials summed, then the dx launch,
+        # whose outputs are allocated after the entry states and the partials are gone
+        steps.update({
+            "compute_out's states launch": {**pass_on, **dy, "entry states": states * se,
+                                            "dS": states * ds, **split_parts, **token_parts,
+                                            **scores, **pair_parts},
+            "the split partials summed": {**pass_on, **dy, "dS": states * ds, **summing,
+                                          **token_parts, **scores},
+            "compute_out's dx launch": {**pass_on, **dy, "dS": states * ds,
+                                        "dB, dC": 2 * groups, **token_parts, **scores, **dx,
+                                        **ddt_dda, **dd_parts},
+        })
+    else:
+        steps.update({
+            "compute_out's tokens": {**pass_on, **dy, "entry states": states * se,
+                                     "dS": states * ds, **dx, **ddt_dda, **split_parts,
+                                     **token_parts, **dd_parts, **scores, **pair_parts},
+            "the split partials summed": {**pass_on, "dS": states * ds, **dx, **ddt_dda,
+                                          **summing, **token_parts, **dd_parts},
+        })
+    steps.update({
         "chunk_cumsum": {**base, **held, **dinit, **last, **dx, "dB, dC": 2 * groups,
                          "ddt_out, ddA": 2 * chunked, **ends,
                          "ddt (b, L, h)": batch * seqlen * nheads * f32},
         "gradients in x's dtype": {**base, **held, **dinit, **dx, "dB, dC": 2 * groups,
                                    "dB, dC in x's dtype": 2 * groups * e // f32 if e != f32 else 0,
                                    "ddt (b, L, h)": batch * seqlen * nheads * f32},
-    }
+    })
     if not fused:
         # bwd_chunk_states after the token kernel: its dB's head-split partials and last-token
         # sums, then dB's sum; dx is converted to x's dtype beside its float32 self at the end
@@ -344,15 +378,14 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
             "dB, dC": 2 * groups, "chunk_states' dB partials": cs_splits * groups,
             "chunk_states' dB (their sum)": split_sum(cs_splits),
             "chunk_states' ddA_tiles": chunked // cs_cfg["BLOCK_T"],
-            "dD partials": token_parts["dD partials"]}
+            **dd_parts}
         steps["chunk_cumsum"]["chunk_states' ddA_tiles"] = chunked // cs_cfg["BLOCK_T"]
         if e != f32:
             steps["gradients in x's dtype"]["dx in x's dtype"] = tokens * e
     if kept:
-        for step in steps.values():
-            step.update(base)
-            step["entry states"] = states * se
-            step.pop("final state", None)            # the recompute's, not made
+        # handed over by the forward, alive as the recompute's would be (the backward takes
+        # them: ops.torch_op), only the recompute's final state is not made
+        steps["recompute"].pop("final state")
     totals = {k: sum(v.values()) for k, v in steps.items()}
     top = max(totals, key=totals.get)
     return {**steps, "peak": (top, totals[top])}
@@ -499,7 +532,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     ``return_intermediates`` at ``chunk_size`` and ``states_dtype`` (``keeps``); the backward
     then takes them instead of running the forward's kernels again (where dz needs the
     pre-gate output, compute_out alone runs again, on them). Intermediates of another chunk or
-    dtype are not used (``_kept_matches``)."""
+    dtype are not used (``_kept_matches``). A list is handed over: emptied here, so that the
+    entry states are freed after their last reader if the caller holds them nowhere else."""
     configs = dict(configs or {})
     given = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                  initial_states=initial_states)
@@ -515,6 +549,11 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     poison = forward_module.POISON_OUTPUTS
 
     y = dt_out = dA_cumsum = entry = None
+    if isinstance(kept, list):
+        # handed over (ops.torch_op): emptied, so that this call holds the only references and
+        # the entry states are freed after the states launch, their last reader ("Memory")
+        kept, handed = tuple(kept), kept
+        handed.clear()
     if kept is not None and not _kept_matches(kept, x, B, chunk_size, states_dtype or x.dtype):
         kept = None
     if run_kernels or need_y:
@@ -548,10 +587,10 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     features = "".join(flag for flag, t in (("D", D), ("z", z), ("s", seq_idx),
                                              ("i", initial_states)) if t is not None)
     co_config = configs.get("bwd_compute_out")
+    co_shape = dict(chunk_size=chunk_size, headdim=x.shape[3], dstate=B.shape[3],
+                    nheads=x.shape[2], ngroups=B.shape[2], batch=batch, seqlen=seqlen)
     # (a tuned config keeps the chain's FUSE_STATES: chain_space)
-    fused = compute_out_resolved(co_config, chunk_size=chunk_size, headdim=x.shape[3],
-                                 dstate=B.shape[3], nheads=x.shape[2], ngroups=B.shape[2],
-                                 batch=batch, seqlen=seqlen)["FUSE_STATES"]
+    fused = compute_out_resolved(co_config, **co_shape)["FUSE_STATES"]
 
     # The pass over the states, then compute_out's token kernel. The pass forms dentry itself,
     # from dy and C (FUSE_ENTRY, BACKWARD_DEFAULTS): no dentry buffer, no entry launch; with
@@ -580,19 +619,35 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     del dentry
     # The token kernel: compute_out's gradients, the skip's (dx += D dy, dD's partials) and,
     # fused, those through each chunk's own state; then dx is complete, in its final dtype.
-    token_options = dict(poison=poison, launches="tokens", dS=dS if fused else None, D=D,
+    token_options = dict(poison=poison, dS=dS if fused else None, D=D,
                          dx_dtype=out_dtype("x") if fused else torch.float32)
     co_config = tuned_config("bwd_compute_out", configs, tuning, features, lambda c: run(
-        bwd_compute_out_plan(*out_inputs, config=c, **token_options)))
-    dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts = run(bwd_compute_out_plan(
-        *out_inputs, config=co_config, **token_options))
-    del token_options
-    del entry, out_inputs, dy                  # (dy: dout itself without z)
-    # the head splits' partials, added in a fixed order (one split: the kernel's own sums)
-    dB = sum_splits(dB_parts)
-    del dB_parts
-    dC = sum_splits(dC_parts)
-    del dC_parts
+        bwd_compute_out_plan(*out_inputs, config=c, launches="tokens", **token_options)))
+    if compute_out_resolved(co_config, **co_shape)["SPLIT_DX"]:
+        # the token work's two launches as two plans: the states launch (the last reader of
+        # the entry states and of d(C B^T)'s partials), then dB's and dC's partials summed,
+        # then the dx launch, whose dx is allocated after all of those are gone ("Memory")
+        dB_parts, dC_parts, ddA_tiles, *carried = run(bwd_compute_out_plan(
+            *out_inputs, config=co_config, launches="states", **token_options))
+        del entry, out_inputs
+        # the head splits' partials, added in a fixed order (one split: the kernel's own sums)
+        dB = sum_splits(dB_parts)
+        del dB_parts
+        dC = sum_splits(dC_parts)
+        del dC_parts
+        dx, ddt, ddA, dD_parts = run(bwd_compute_out_plan(
+            dy, x_, B_, C_, dt_out, dA_cumsum, None, seq_idx, config=co_config, launches="dx",
+            states=carried, **token_options))
+        del carried
+    else:
+        dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts = run(bwd_compute_out_plan(
+            *out_inputs, config=co_config, launches="tokens", **token_options))
+        del entry, out_inputs
+        dB = sum_splits(dB_parts)
+        del dB_parts
+        dC = sum_splits(dC_parts)
+        del dC_parts
+    del token_options, dy                      # (dy: dout itself without z)
     if fused:
         del dS
         # the states' term at each chunk's last token, as partials per token tile, is summed

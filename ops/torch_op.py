@@ -158,10 +158,11 @@ def _backward(ctx, dout, dfinal, dvarlen):
 def _gradients(ctx, dout, dfinal, eager):
     """The gradients of the inputs ``ctx`` saved, and None for seq_idx and cu_seqlens: through
     the backward operator, or (``eager``) its work called directly."""
-    saved = ctx.saved_tensors
-    # the inputs, then the forward's intermediates where an eager forward kept them
-    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = saved[:11]
-    kept = tuple(saved[11:])
+    x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens = ctx.saved_tensors
+    # the forward's intermediates where an eager forward kept them (``EagerAutograd``), taken:
+    # this backward frees them after their last reader; a second backward through a graph
+    # retained (``retain_graph=True``) finds none and makes them again
+    kept, ctx.kept = getattr(ctx, "kept", None) or [], None
     inputs = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     o = ctx.options
     # (varlen states with a gradient are refused before the forward: ops.ssd_combined)
@@ -187,13 +188,22 @@ def _gradients(ctx, dout, dfinal, eager):
             # an eager backward's host work is taped (ops.runtime.tape), but with cu_seqlens,
             # whose values make the sequence ids
             key = stamp = None
+            handed = [*args, *kept]             # the tape, then backward_work, empty it
+            del kept
             if cu_seqlens is None:
-                key, stamp = replay_key(args + kept,
-                                        ("backward", tuple(o.items()), tuple(wanted)))
-            grads = taped(key, stamp, lambda *a: backward_work(
-                *a[:len(args)], kept=a[len(args):] or None, **options), args + kept)
+                key, stamp = replay_key(handed, ("backward", tuple(o.items()), tuple(wanted)))
+            grads = taped(key, stamp, lambda a: backward_work(
+                *a[:len(args)], kept=_taken(a, len(args)), **options), handed, owned=True)
     return tuple((g if g.dtype == t.dtype else g.to(t.dtype)) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
+
+
+def _taken(handed, n):
+    """The items of the list ``handed`` after its first ``n``, as a list of their own (None if
+    there are none), removed from ``handed``: the taker holds the only reference."""
+    tail = handed[n:]
+    del handed[n:]
+    return tail or None
 
 
 _GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -212,12 +222,18 @@ def _eager_forward(inputs, keep):
     return taped(key, stamp, lambda *t: forward(*t, **options, keep=keep), tensors)
 
 
-def _save_inputs(ctx, inputs, kept=()):
-    """The inputs saved for the backward, and after them the forward's intermediates it kept
-    (``forward``'s ``keep``)."""
+def _save_inputs(ctx, inputs):
+    """The inputs saved for the backward."""
     *tensors, ctx.options = inputs
-    ctx.save_for_backward(*tensors, *kept)
+    ctx.save_for_backward(*tensors)
     ctx.set_materialize_grads(False)      # as the operator's (_setup_context)
+
+
+def _saved_tensors_hooked():
+    """Whether saved-tensor hooks are in force (activation checkpointing, offloading to the
+    host: ``torch.autograd.graph.saved_tensors_hooks``); where PyTorch cannot say, True."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
 
 
 class EagerAutograd(torch.autograd.Function):
@@ -241,10 +257,16 @@ class EagerAutograd(torch.autograd.Function):
         # the intermediates are kept only for a backward that runs the kernels (a gradient of
         # x, dt, A, B, C, dt_bias or initial_states), and where the setting allows it
         from ops.backward import KERNEL_INPUT_POSITIONS, keeping     # cuda.tile, as the kernels
+        # (not under saved-tensor hooks: what they do with saved tensors, drop them for a
+        # checkpoint's recompute or move them to the host, would not reach these)
         needs = ctx.needs_input_grad
-        keep = any(needs[i] for i in KERNEL_INPUT_POSITIONS) and keeping()
+        keep = (any(needs[i] for i in KERNEL_INPUT_POSITIONS) and keeping()
+                and not _saved_tensors_hooked())
         out, final_states, varlen_states, *kept = _eager_forward(inputs, keep)
-        _save_inputs(ctx, inputs, kept)
+        _save_inputs(ctx, inputs)
+        # held by the node, not saved: the backward takes them (_gradients) and frees each
+        # after its last reader (the entry states after bwd_compute_out's states launch)
+        ctx.kept = kept
         return out, final_states, varlen_states
 
     @staticmethod

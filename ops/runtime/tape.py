@@ -59,20 +59,29 @@ def lookup(key, stamp):
     return lookup_in(_TAPES, key, stamp)
 
 
-def taped(key, stamp, fn, inputs):
+def taped(key, stamp, fn, inputs, owned=False):
     """``fn(*inputs)`` (-> a tuple or list of tensors), replayed from the tape of an earlier call
     with ``key`` under ``stamp`` when there is one, else run and recorded for the next calls.
-    ``key`` None: run, never recorded."""
+    ``key`` None: run, never recorded.
+
+    ``owned``: ``inputs`` is a list handed over with its tensors (the caller holds no other
+    reference to those it wants freed early). A replay empties it once its slots hold them, so
+    that each is freed after its last reader; a call that runs is ``fn(inputs)``, with the list
+    itself, for ``fn`` to empty as it takes what it frees early (``ops.torch_op``'s backward
+    takes the forward's intermediates so)."""
+    if owned and type(inputs) is not list:
+        raise TypeError(f"owned inputs must be a list, got {type(inputs).__name__}")
+    call = (lambda: fn(inputs)) if owned else (lambda: fn(*inputs))
     if key is None:
-        return fn(*inputs)
+        return call()
     tape = lookup(key, stamp)
     if tape is NEVER:
-        return fn(*inputs)
+        return call()
     if tape is not None:
-        return tape.run(inputs)
+        return tape.run(inputs, owned)
     tape = Tape(inputs, stamp)
     with tape.recording():
-        results = fn(*inputs)
+        results = call()
     tape.finish(results)
     keep_in(_TAPES, key, tape, CACHE_SIZE)
     return results
@@ -284,12 +293,16 @@ class Tape:
 
     # replaying -------------------------------------------------------------------------------
 
-    def run(self, inputs):
+    def run(self, inputs, owned=False):
         """The recorded call's steps on ``inputs`` (tensors like the recorded call's, in the same
-        positions); returns its results, made afresh."""
+        positions); returns its results, made afresh. ``owned``: ``inputs`` is a list handed
+        over, emptied here (each input then lives until its last reader, as the recorded
+        call's)."""
         slots = list(self.template)
         slots[:self.ninputs] = inputs
-        device = next(t.device for t in inputs if isinstance(t, torch.Tensor))
+        if owned:
+            inputs.clear()
+        device = next(t.device for t in slots if isinstance(t, torch.Tensor))  # (inputs first)
         launch = _launcher(device)
         pick = slots.__getitem__
         for kind, what, how, args, out, released, call in self.steps:

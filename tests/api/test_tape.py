@@ -24,9 +24,9 @@ def tape_runs(monkeypatch):
     runs = []
     original = tape.Tape.run
 
-    def run(self, inputs):
+    def run(self, inputs, owned=False):
         runs.append("backward" if len(inputs) >= 13 else "forward")
-        return original(self, inputs)
+        return original(self, inputs, owned)
     monkeypatch.setattr(tape.Tape, "run", run)
     monkeypatch.setattr(tape, "_TAPES", {})
     return runs
@@ -35,7 +35,8 @@ def tape_runs(monkeypatch):
 def _untaped(monkeypatch):
     """No call is taped from here on (each runs its Python afresh)."""
     import ops.torch_op
-    monkeypatch.setattr(ops.torch_op, "taped", lambda key, stamp, fn, inputs: fn(*inputs))
+    monkeypatch.setattr(ops.torch_op, "taped", lambda key, stamp, fn, inputs, owned=False:
+                        tape.taped(None, stamp, fn, inputs, owned))
 
 
 def _step(kw, seed, chunk_size=32, loss="both", device="cpu", **options):
@@ -95,10 +96,11 @@ def test_taped_training_steps_equal_untaped_ones_bitwise(tape_runs, monkeypatch,
             assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_a_graph_kept_for_a_second_backward_replays_with_its_intermediates(tape_runs):
-    """``backward(retain_graph=True)`` twice on a taped step (its forward keeping its
-    intermediates for the backward: ``ops.backward.keeps``): the second backward replays the
-    first's tape on the same kept tensors, and each gives the same gradients."""
+def test_a_graph_retained_for_more_backwards_makes_its_intermediates_again(tape_runs):
+    """``backward(retain_graph=True)`` on a taped step whose forward kept its intermediates
+    (``ops.backward.keeps``): the first backward takes them (its tape replayed) and frees them;
+    the second finds none and makes them again (a call of another key: recorded), the third
+    replays the second's tape; all give the same gradients."""
     kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, D="1d",
                       dtype=torch.float32, seed=2)
 
@@ -110,14 +112,39 @@ def test_a_graph_kept_for_a_second_backward_replays_with_its_intermediates(tape_
     loss_of(x).backward()                           # records both tapes
     want = x.grad.clone()
     tape_runs.clear()
-    x.grad = None
     loss = loss_of(x)
-    loss.backward(retain_graph=True)
-    first = x.grad.clone()
-    x.grad = None
-    loss.backward()
+    grads = []
+    for retain in (True, True, False):
+        x.grad = None
+        loss.backward(retain_graph=retain)
+        grads.append(x.grad.clone())
     assert tape_runs == ["forward", "backward", "backward"]
-    assert torch.equal(first, want) and torch.equal(x.grad, want)
+    assert all(torch.equal(g, want) for g in grads)
+
+
+def test_nothing_is_kept_under_saved_tensor_hooks(monkeypatch):
+    """Under saved-tensor hooks (here offloading to the host; a non-reentrant checkpoint is
+    another) a step's forward keeps no intermediates: the hooks see only what is saved, and
+    intermediates held beside them would stay where they are. The gradients are those of a
+    step that keeps them (bitwise: the backward makes the same values again)."""
+    import ops.torch_op
+    kept_flags, forward = [], ops.torch_op._eager_forward
+    monkeypatch.setattr(ops.torch_op, "_eager_forward",
+                        lambda inputs, keep: kept_flags.append(keep) or forward(inputs, keep))
+    kw = make_problem(batch=1, seqlen=64, nheads=4, headdim=16, ngroups=1, dstate=16, D="1d",
+                      dtype=torch.float32, seed=4)
+
+    def x_grad():
+        x = kw["x"].clone().requires_grad_(True)
+        out = mamba_chunk_scan_combined(**{**kw, "x": x}, chunk_size=32, dt_softplus=True,
+                                        backend="interpret")
+        out.square().sum().backward()
+        return x.grad
+    plain = x_grad()
+    with torch.autograd.graph.save_on_cpu():
+        hooked = x_grad()
+    assert kept_flags == [True, False]
+    assert torch.equal(plain, hooked)
 
 
 def test_a_new_key_records_again(tape_runs, monkeypatch):

@@ -34,6 +34,7 @@ import torch.utils._python_dispatch
 
 import ops.forward
 import ops.runtime.launch
+from ops.runtime import tape
 import reference.backward
 from ops import mamba_chunk_scan_combined
 from ops.runtime.cutile_internals import kernel_function
@@ -432,18 +433,30 @@ def trainable(kw):
                 if v.is_floating_point() else v) for k, v in kw.items()}
 
 
+@pytest.mark.parametrize("taped", ["recorded", "replayed"])
 def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeypatch,
-                                                                         collector_off):
+                                                                         collector_off, taped):
     """A whole step through autograd, as training runs it, on its second call (the forward's
-    plans then re-used, ``ops.runtime.launch.PlanTemplate.bind``): the tensors alive at once are the
-    backward's own peak, measured alone on the same inputs, plus the forward's output, and
-    nothing more (the backward recomputes the forward's intermediates instead of keeping them);
-    and that stays under ``memory_accounting``'s peak plus the output. With the garbage collector
-    off, so that a reference cycle holding the forward's entry and final states (as ``bind`` once
-    made) counts where a GPU's step would feel it, through the backward's peak."""
+    plans then re-used, ``ops.runtime.launch.PlanTemplate.bind``), its host work recorded on
+    a tape or replayed from one (``ops.runtime.tape``): the tensors alive at once are the
+    backward's own peak, measured alone on the same inputs (recomputing the intermediates),
+    plus the forward's output, and nothing more. The forward keeps its intermediates
+    (``ops.backward.keeps``) and hands them over: if the autograd node or the tape held them
+    through the backward, the entry states would be alive through the dx launch, past the
+    backward's own peak (at this shape and config: one split of each group's heads, so that the
+    head splits' partials, gone before the dx launch, weigh less than dx, which comes after).
+    And that stays under ``memory_accounting``'s peak plus the output. With the garbage
+    collector off, so that a reference cycle holding the forward's entry and final states (as
+    ``bind`` once made) counts where a GPU's step would feel it, through the backward's peak.
+    A recording tape keeps the launches' one-element stand-ins (``unread_stand_in``, 4 bytes
+    each) from the launch that made them: a few bytes are allowed for them."""
     import ops.backward as bwd
     monkeypatch.setattr(bwd, "SLICE_ELEMENTS", 1024)
-    shape = dict(batch=2, seqlen=256, nheads=8, headdim=32, ngroups=2, dstate=32)
+    shape = dict(batch=2, seqlen=256, nheads=8, headdim=64, ngroups=2, dstate=32)
+    config = {"HEADS_PER_BLOCK": 4, "PAIR_HEADS_PER_BLOCK": 4}
+    chosen = bwd.tuned_config
+    monkeypatch.setattr(bwd, "tuned_config", lambda name, *args: (
+        config if name == "bwd_compute_out" else chosen(name, *args)))
     kw = make_problem(**shape, D="1d", z=False, initial_states=False, seed=1,
                       dtype=torch.bfloat16)
     leaves = trainable(kw)
@@ -461,6 +474,8 @@ def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeyp
 
     step()                                             # plans built: the next step re-uses them
     backward_alone()
+    if taped == "recorded":
+        tape.clear()                                   # the measured step records afresh
     alone, whole = (LiveTensors.around_launches(monkeypatch) for _ in range(2))
     with collector_off():
         with alone:
@@ -469,28 +484,35 @@ def test_a_training_steps_forward_leaves_only_its_output_to_the_backward(monkeyp
             step()
     out_bytes = kw["x"].numel() * kw["x"].element_size()
     described = sorted(whole.at_peak.values(), key=lambda v: -v[2])
-    assert whole.peak <= alone.peak + out_bytes, (whole.peak, alone.peak + out_bytes, described)
-    _, bound = bwd.memory_accounting(**shape, chunk_size=64, dtype=torch.bfloat16)["peak"]
-    assert 0.9 * (out_bytes + bound) <= whole.peak <= out_bytes + bound
+    stand_ins = 64
+    assert whole.peak <= alone.peak + out_bytes + stand_ins, (whole.peak, alone.peak + out_bytes,
+                                                              described)
+    _, bound = bwd.memory_accounting(**shape, chunk_size=64, dtype=torch.bfloat16,
+                                     configs={"bwd_compute_out": config})["peak"]
+    assert 0.9 * (out_bytes + bound) <= whole.peak <= out_bytes + bound + stand_ins
 
 
 def test_the_accounting_of_kept_intermediates():
-    """With the forward's intermediates kept (``kept=True``) the entry states and the (b, h, c,
-    l) intermediates are alive in every step, to the end of the backward, and nothing is made
-    by a recompute (no final state); without, the entry states are gone after the token launch.
-    At the 2.7B training shape that changes no step's total past the token launch enough to
-    move the peak."""
+    """With the forward's intermediates kept (``kept=True``), handed over to the backward (not
+    held by the autograd node), every step holds what it holds when the backward recomputes
+    them, but for the recompute's final state, which is not made: the entry states are gone
+    after compute_out's states launch either way, and the peak is the same. With SPLIT_DX (the
+    default) the peak is compute_out's states launch, and dx is allocated for the dx launch
+    only after the entry states, d(C B^T)'s partials and dB's and dC's partials are gone."""
     import ops.backward as bwd
     shape = dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128,
                  chunk_size=128)
     made, kept = bwd.memory_accounting(**shape), bwd.memory_accounting(**shape, kept=True)
-    assert "entry states" not in made["chunk_cumsum"] and "final state" in made["recompute"]
-    assert all("entry states" in step and "dt_out, dA_cumsum" in step
-               for name, step in kept.items() if name != "peak")
-    assert "final state" not in kept["recompute"]
-    assert kept["peak"] == made["peak"]
+    assert "final state" in made["recompute"] and "final state" not in kept["recompute"]
+    assert {k: v for k, v in kept.items() if k != "recompute"} == {
+        k: v for k, v in made.items() if k != "recompute"}
+    assert kept["peak"] == made["peak"] and made["peak"][0] == "compute_out's states launch"
+    states, dx = made["compute_out's states launch"], made["compute_out's dx launch"]
+    assert "entry states" in states and "dx (x's dtype)" not in states
+    assert not {"entry states", "d(C B^T) partials", "dB, dC partials"} & dx.keys()
+    assert "dx (x's dtype)" in dx
     # a 1-d D's partials of dD are headdim times smaller than a 2-d D's
-    parts = lambda d: bwd.memory_accounting(**shape, D=d)["compute_out's tokens"]["dD partials"]
+    parts = lambda d: bwd.memory_accounting(**shape, D=d)["compute_out's dx launch"]["dD partials"]
     assert parts(2) == 64 * parts(1)
 
 

@@ -235,6 +235,41 @@ def test_skip_without_the_states_terms(device, config):
         assert rel_err(got[name].cpu().double(), w) < 1e-5, name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [True, False], ids=["dS-D", "D-only"])
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(BLOCK_T=16, HEADS_PER_BLOCK=1, STATES_SLICES=2, DX_HEADS_PER_BLOCK=1),
+                 id="head-partials-two-slices"),
+    pytest.param(dict(BLOCK_T=16, DX_HEADS_PER_BLOCK=2), id="two-dx-heads")])
+def test_split_launches_as_two_plans_equal_one(device, fused, config):
+    """SPLIT_DX's two launches run as two plans (``launches="states"``, then ``"dx"`` given the
+    first's outputs and no entry states, as ``ops/backward.py`` runs them to free the entry
+    states before dx exists) give the one plan's outputs bitwise: the same launches on the
+    same values. Outputs NaN-poisoned; bf16, packed sequences, tiles past the sequence."""
+    from ops.runtime.launch import run
+    inputs, _ = problem(torch.bfloat16, seqlen=150, chunk=64, seq=(10, 64, 100))
+    inputs = on(inputs, device)
+    b, L, h, p = inputs["x"].shape
+    g = torch.Generator().manual_seed(13)
+    extra = dict(D=torch.randn(h, generator=g).to(device), dx_dtype=torch.bfloat16)
+    if fused:
+        nchunks, n = inputs["dt_out"].shape[2], inputs["B"].shape[3]
+        extra["dS"] = torch.randn(b, nchunks, h, p, n, generator=g).to(torch.bfloat16).to(device)
+    one = run(bwd_compute_out_plan(**inputs, poison=True, config=config, launches="tokens",
+                                   **extra))
+    dB_parts, dC_parts, ddA_tiles, *states = run(bwd_compute_out_plan(
+        **inputs, poison=True, config=config, launches="states", **extra))
+    assert len(states) == 5 and (ddA_tiles is None) == (not fused)
+    dx, ddt, ddA, dD_parts = run(bwd_compute_out_plan(
+        **{**inputs, "entry_states": None}, poison=True, config=config, launches="dx",
+        states=states, **extra))
+    two = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
+    for name, a, c in zip(("dx", "dB", "dC", "ddt", "ddA", "ddA_tiles", "dD"), one, two,
+                          strict=True):
+        assert (a is None) == (c is None), name
+        assert a is None or torch.equal(a, c), name
+
+
 def test_optional_terms_are_checked():
     inputs, _ = problem(torch.bfloat16)
     b, L, h, p = inputs["x"].shape
@@ -377,6 +412,7 @@ def test_variant_matches_the_default(device, dtype_name, config):
 # Input checks ------------------------------------------------------------------------------------
 
 def test_refuses_bad_inputs():
+    from ops.runtime.launch import run
     inputs, _ = problem(torch.float32, seqlen=40)
     bad = [
         (dict(dy=inputs["dy"].to(torch.bfloat16)), TypeError, "dy"),
@@ -424,6 +460,20 @@ def test_refuses_bad_inputs():
     for slices in (True, 2.0, None):
         with pytest.raises(TypeError, match="STATES_SLICES must be an int"):
             bwd_compute_out_plan(**inputs, config=dict(STATES_SLICES=slices))
+    # the split launches as two plans: only with SPLIT_DX, the states' outputs with "dx" alone
+    with pytest.raises(ValueError, match="launches must be"):
+        bwd_compute_out_plan(**inputs, launches="token")
+    with pytest.raises(ValueError, match="needs SPLIT_DX"):
+        bwd_compute_out_plan(**inputs, launches="states", config=dict(SPLIT_DX=False))
+    with pytest.raises(ValueError, match="states .* goes with launches='dx'"):
+        bwd_compute_out_plan(**inputs, launches="dx")
+    states = run(bwd_compute_out_plan(**inputs, launches="states"))[3:]
+    with pytest.raises(ValueError, match="states .* goes with launches='dx'"):
+        bwd_compute_out_plan(**inputs, launches="tokens", states=states)
+    with pytest.raises(ValueError, match="states must be the five tensors"):
+        bwd_compute_out_plan(**inputs, launches="dx", states=states[:4])
+    with pytest.raises(TypeError, match="entry_states must be a torch.Tensor"):
+        bwd_compute_out_plan(**{**inputs, "entry_states": None}, launches="states")
 
 
 # Ahead-of-time compilation (both kernels) ------------------------------------------------------

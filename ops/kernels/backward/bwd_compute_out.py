@@ -1171,7 +1171,7 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
     tensors = dict(dy=dy, x=x, B=B, C=C, dt_out=dt_out, dA_cumsum=dA_cumsum,
                    entry_states=entry_states)
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) and not (name == "entry_states" and t is None):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, seqlen, nheads, headdim), got shape {tuple(x.shape)}")
@@ -1204,11 +1204,13 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
     if dA_cumsum.shape != dt_out.shape:
         raise ValueError(f"dA_cumsum must have dt_out's shape {tuple(dt_out.shape)}, "
                          f"got {tuple(dA_cumsum.shape)}")
-    if entry_states.shape != (batch, nchunks, nheads, headdim, dstate):
+    # (None: the dx launch alone, which reads no entry state)
+    if entry_states is not None and entry_states.shape != (batch, nchunks, nheads, headdim,
+                                                           dstate):
         raise ValueError(f"entry_states must be (batch, nchunks, nheads, headdim, dstate) = "
                          f"{(batch, nchunks, nheads, headdim, dstate)}, got "
                          f"{tuple(entry_states.shape)}")
-    if entry_states.dtype not in (x.dtype, torch.float32):
+    if entry_states is not None and entry_states.dtype not in (x.dtype, torch.float32):
         raise TypeError(f"entry_states must be float32 or x's dtype {x.dtype}, got "
                         f"{entry_states.dtype}")
     if seq_idx is not None:
@@ -1224,7 +1226,7 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
 
 def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
                          poison=False, config=None, launches="both", dS=None, D=None,
-                         dx_dtype=torch.float32):
+                         dx_dtype=torch.float32, states=None):
     """The launch (an ``ops.runtime.launch.Plan``): its ``before`` holds the dentry kernel's launch
     (unless ``launches="tokens"``), then with PAIRS the pair kernel's (and with SPLIT_DX the
     states kernel's: the plan's own launch is then ``bwd_token_dx_kernel``), else with
@@ -1237,7 +1239,13 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     ``launches="entry"`` gives the dentry kernel's plan alone (outputs (dentry,)), ``"tokens"``
     the token kernel's alone (outputs all but dentry, none allocated for it): ``ops/backward.py``
     runs the pass over the states between the two, so that dentry is freed before the token
-    kernel's dx is allocated.
+    kernel's dx is allocated. With SPLIT_DX the token work's two launches can run as two plans
+    too: ``"states"`` gives the pair kernel's and the states launch's (outputs dB's and dC's
+    partials, ddA_tiles, then what the dx launch reads: the states' ddt and ddA terms, C B^T,
+    dG's column and row sums), ``"dx"`` the dx launch's alone (outputs dx, ddt_out, ddA_cumsum,
+    dD's partials), given those five as ``states``; ``entry_states`` may then be None (the dx
+    launch reads none). ``ops/backward.py`` runs them so: the entry states, d(C B^T)'s partials
+    and dB's and dC's are gone before dx is allocated.
 
     The token kernel's optional terms (``ops/backward.py`` passes them):
         dS (b, c, h, p, n), float32 or x's dtype: the chunk states' gradients. The token kernel
@@ -1252,8 +1260,17 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
             over p in the kernel), each tile's sum of dy x: sum them over the first two axes (and
             the last, for a 1-d D). Without D, None.
         dx_dtype: dx's dtype (x's for the operator: complete dx rounded once from float32)."""
-    if launches not in ("both", "entry", "tokens"):
-        raise ValueError(f"launches must be 'both', 'entry' or 'tokens', got {launches!r}")
+    if launches not in ("both", "entry", "tokens", "states", "dx"):
+        raise ValueError(f"launches must be 'both', 'entry', 'tokens', 'states' or 'dx', got "
+                         f"{launches!r}")
+    if (launches == "dx") != (states is not None):
+        raise ValueError("states (the states launch's outputs) goes with launches='dx', and "
+                         "only with it")
+    if states is not None and (not isinstance(states, (tuple, list)) or len(states) != 5):
+        raise ValueError("states must be the five tensors after dB's and dC's partials and "
+                         "ddA_tiles in the outputs of launches='states'")
+    if entry_states is None and launches != "dx":
+        raise TypeError("entry_states must be a torch.Tensor, got NoneType")
     _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx)
     _check_optional(x, B, dt_out, dS, D, dx_dtype)
     batch, seqlen, nheads, headdim = x.shape
@@ -1262,6 +1279,8 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     cfg = resolved_config(config, chunk_size=chunk_size, headdim=headdim, dstate=dstate,
                           nheads=nheads, ngroups=ngroups, batch=batch, seqlen=seqlen)
     bt, hb = token_tiling(cfg, chunk_size, nheads, ngroups)
+    if launches in ("states", "dx") and not cfg["SPLIT_DX"]:
+        raise ValueError(f"launches={launches!r} needs SPLIT_DX (the token work in two launches)")
     bp, bn = cfg["ENTRY_BLOCK_P"], cfg["ENTRY_BLOCK_N"]
     for name, v, size in (("ENTRY_BLOCK_P", bp, headdim), ("ENTRY_BLOCK_N", bn, dstate)):
         if v < 16 or v & (v - 1) or v > tile_size(size):
@@ -1272,7 +1291,7 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     seq_arg = seq_idx if seq_idx is not None else dt_out     # never read without seq_idx
     bf16 = x.dtype == torch.bfloat16
     entry_plan = None
-    if launches != "tokens":
+    if launches in ("both", "entry"):
         dentry = new_output(entry_states.shape, torch.float32, device, poison)
         entry_args = (dy, C, dA_cumsum, seq_arg, dentry, nheads // ngroups, chunk_size, bt, bp,
                       bn, seq_idx is not None, bf16)
@@ -1281,26 +1300,38 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                           entry_args, (dentry,))
         if launches == "entry":
             return entry_plan
-    dx = new_output(x.shape, dx_dtype, device, poison)
+    tiles = nchunks * (chunk_size // bt)
+    slices = launch_slices(cfg)
+    stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
+    ds_arg = stand_in(dS, 5)                    # one stand-in for both split launches
+    dx = ddt = ddA = dD_parts = None
+    if launches != "states":            # the dx launch's outputs (the fused token kernel's too)
+        dx = new_output(x.shape, dx_dtype, device, poison)
+        ddt = new_output(dt_out.shape, torch.float32, device, poison)
+        ddA = new_output(dt_out.shape, torch.float32, device, poison)
+        if D is not None:
+            # (a 1-d D's partials are summed over headdim in the kernel: store_skip_partial)
+            dD_parts = new_output((batch, tiles, nheads, headdim if D.dim() == 2 else 1),
+                                  torch.float32, device, poison)
+            # read as given, (h,) or (h, p) (skip_terms); other dtypes than the kernels' as float32
+            D = (D if D.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                 else D.float()).contiguous()
+    dx_launch = lambda state_ddt, state_ddA, scores, cols, rows: _dx_launch(
+        cfg, (dy, x, B, dt_out, dA_cumsum, seq_arg, dx, ddt, ddA, state_ddt, state_ddA, ds_arg,
+              stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows),
+        nheads // ngroups, chunk_size, bt, headdim, dstate, seq_idx is not None, bf16,
+        dS is not None, D is not None, slices, tiles * nheads)
+    if launches == "dx":
+        # the states launch has run (launches="states"): its outputs the dx launch reads
+        grid, kernel, args = dx_launch(*states)
+        return Plan((grid, batch), kernel, args, (dx, ddt, ddA, dD_parts))
     dB_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
     dC_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
-    ddt = new_output(dt_out.shape, torch.float32, device, poison)
-    ddA = new_output(dt_out.shape, torch.float32, device, poison)
-    tiles = nchunks * (chunk_size // bt)
-    ddA_tiles = dD_parts = None
-    slices = launch_slices(cfg)
+    ddA_tiles = None
     if dS is not None:          # sum(dv v) per token tile (and dstate slice of the states launch)
         ddA_tiles = new_output((batch, nheads, nchunks, chunk_size // bt * slices), torch.float32,
                                device, poison)
-    if D is not None:
-        # (a 1-d D's partials are summed over headdim in the kernel: store_skip_partial)
-        dD_parts = new_output((batch, tiles, nheads, headdim if D.dim() == 2 else 1),
-                              torch.float32, device, poison)
-        # read as given, (h,) or (h, p) (skip_terms); other dtypes than the kernels' as float32
-        D = (D if D.dtype in (torch.float32, torch.bfloat16, torch.float16)
-             else D.float()).contiguous()
     scores, before = None, ()
-    stand_in = lambda t, ndim: t if t is not None else unread_stand_in(device, ndim)
     pair_outputs = (None, None, None)
     if cfg["PAIRS"]:
         # the pair kernel: C B^T (read by the token kernel), d(C B^T) summed over heads, dG's sums
@@ -1335,7 +1366,6 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         state_ddt = new_output((slices, *dt_out.shape), torch.float32, device, poison)
         state_ddA = new_output((slices, *dt_out.shape), torch.float32, device, poison)
         dcb_parts, cols, rows = pair_outputs
-        ds_arg = stand_in(dS, 5)                    # one stand-in for both launches
         states_args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dB_parts, dC_parts,
                        state_ddt, state_ddA, ds_arg, stand_in(ddA_tiles, 4), dcb_parts,
                        nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
@@ -1343,19 +1373,17 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                        cfg["LOAD_LAT"], slices)
         states_kernel = with_hints(fit_index_width(bwd_token_states_kernel, states_args,
                                                    cfg["INDEX64"]), cfg)
-        before = before + (Plan((grid[0] * slices, batch), states_kernel, states_args,
-                                (dB_parts, dC_parts, state_ddt, state_ddA, ddA_tiles)),)
-        args = (dy, x, B, dt_out, dA_cumsum, seq_arg, dx, ddt, ddA, state_ddt, state_ddA,
-                ds_arg, stand_in(D, 2), stand_in(dD_parts, 4), scores, cols, rows,
-                nheads // ngroups, chunk_size, bt, tile_size(headdim), tile_size(dstate),
-                seq_idx is not None, bf16, dS is not None, D is not None, cfg["LOAD_LAT"],
-                cfg["DX_HEADS_PER_BLOCK"], cfg["DX_LOADS_FIRST"], slices)
-        kernel = with_hints(fit_index_width(bwd_token_dx_kernel, args, cfg["INDEX64"]),
-                            launch_hints(cfg, "DX_"))
-        grid = (tiles * nheads // cfg["DX_HEADS_PER_BLOCK"], batch)
+        carried = (state_ddt, state_ddA, scores, cols, rows)
+        states_plan = Plan((grid[0] * slices, batch), states_kernel, states_args,
+                           (dB_parts, dC_parts, ddA_tiles, *carried))
+        if launches == "states":
+            return states_plan._replace(before=before)
+        before = before + (states_plan,)
+        dx_grid, kernel, args = dx_launch(*carried)
+        grid = (dx_grid, batch)
     else:
         args = (dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_arg, dx, dB_parts, dC_parts,
-                ddt, ddA, stand_in(dS, 5), stand_in(ddA_tiles, 4), stand_in(D, 2),
+                ddt, ddA, ds_arg, stand_in(ddA_tiles, 4), stand_in(D, 2),
                 stand_in(dD_parts, 4),
                 entry_states if scores is None else scores,      # (never read without scores)
                 *(stand_in(t, n) for t, n in zip(pair_outputs, (6, 5, 5))),
@@ -1366,6 +1394,19 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
     if launches == "tokens":
         return Plan(grid, kernel, args, outputs, before)
     return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,) + before)
+
+
+def _dx_launch(cfg, tensors, heads_per_group, chunk_size, bt, headdim, dstate, has_seq, bf16,
+               has_ds, has_d, slices, heads_tiles):
+    """(the number of blocks, the kernel, its arguments) of SPLIT_DX's dx launch on
+    ``tensors`` (``bwd_token_dx_kernel``'s tensor arguments, in order): one block per token tile
+    and DX_HEADS_PER_BLOCK heads of a group (``heads_tiles``: token tiles x heads)."""
+    args = (*tensors, heads_per_group, chunk_size, bt, tile_size(headdim), tile_size(dstate),
+            has_seq, bf16, has_ds, has_d, cfg["LOAD_LAT"], cfg["DX_HEADS_PER_BLOCK"],
+            cfg["DX_LOADS_FIRST"], slices)
+    kernel = with_hints(fit_index_width(bwd_token_dx_kernel, args, cfg["INDEX64"]),
+                        launch_hints(cfg, "DX_"))
+    return heads_tiles // cfg["DX_HEADS_PER_BLOCK"], kernel, args
 
 
 def _check_optional(x, B, dt_out, dS, D, dx_dtype):
