@@ -193,10 +193,12 @@ def scan_options(scan):
 
 
 class RecallLM(nn.Module):
-    """Embedding, ``layers`` x (x + Mamba2Mixer(RMSNorm(x))), RMSNorm, LM head."""
+    """Embedding, ``layers`` x (x + Mamba2Mixer(RMSNorm(x))), RMSNorm, LM head.
+    ``process_group``: the mixers run context parallel over it (``ops.mixer``; ``scan`` one of
+    this project's backends), each rank passing its slice of the tokens; the rest is per token."""
 
     def __init__(self, vocab, d_model, layers, d_state, headdim, chunk_size, scan="reference",
-                 seed=0, tied=True, expand=2, ngroups=1):
+                 seed=0, tied=True, expand=2, ngroups=1, process_group=None):
         super().__init__()
         from ops.mixer import Mamba2Mixer
         g = torch.Generator().manual_seed(seed)
@@ -204,6 +206,8 @@ class RecallLM(nn.Module):
         with torch.no_grad():
             self.embed.weight.copy_(torch.randn(vocab, d_model, generator=g) * 0.02)
         options = scan_options(scan)
+        if process_group is not None:
+            options["process_group"] = process_group
         self.norms = nn.ModuleList(RMSNorm(d_model) for _ in range(layers))
         self.mixers = nn.ModuleList(
             Mamba2Mixer(d_model, d_state=d_state, headdim=headdim, expand=expand, ngroups=ngroups,
@@ -355,10 +359,10 @@ def agreement(runs, baseline, noise_label, window):
 COLUMNS = ("run", "scan", "seed", "data_seed", "step", "loss", "accuracy", "wall_s")
 
 
-def write_csv(path, runs):
+def write_csv(path, runs, columns=COLUMNS):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for rows in runs.values():
             w.writerows(rows)
