@@ -638,16 +638,16 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
         dx, ddt, ddA, dD_parts = run(bwd_compute_out_plan(
             dy, x_, B_, C_, dt_out, dA_cumsum, None, seq_idx, config=co_config, launches="dx",
             states=carried, **token_options))
-        del carried
+        del carried, dy                        # (dy: dout itself without z)
     else:
         dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts = run(bwd_compute_out_plan(
             *out_inputs, config=co_config, launches="tokens", **token_options))
-        del entry, out_inputs
+        del entry, out_inputs, dy
         dB = sum_splits(dB_parts)
         del dB_parts
         dC = sum_splits(dC_parts)
         del dC_parts
-    del token_options, dy                      # (dy: dout itself without z)
+    del token_options
     if fused:
         del dS
         # the states' term at each chunk's last token, as partials per token tile, is summed

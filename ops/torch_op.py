@@ -242,7 +242,9 @@ class EagerAutograd(torch.autograd.Function):
     the backward operator's), with less host time per training step (PERF_NOTES.md, "Eager
     training steps go through a plain torch.autograd.Function"); at small shapes the host, not
     the GPU, sets a step's time. It saves the same inputs and, where ``ops.backward.keeps``
-    says so, the forward's intermediates for the backward (``forward``'s ``keep``). Traced
+    says so and no saved-tensor hooks are in force, holds the forward's intermediates
+    (``forward``'s ``keep``) for the backward, which takes them from the node and frees each
+    after its last reader (``_gradients``; ``ops.backward``, "Memory"). Traced
     calls (torch.compile) and tensor subclasses take the operator. ``options``: the operator's
     keyword arguments, as a dict.
 

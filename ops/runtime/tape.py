@@ -242,6 +242,8 @@ class Tape:
             for slot in (*self._reads(step), *self._made(step)):
                 last[slot] = n
         keep = set(self.results)
+        # inputs no step reads (an owned one is then freed as the replay starts)
+        self.unread = tuple(s for s in range(self.ninputs) if s not in last and s not in keep)
         released = [[] for _ in self.steps]
         for slot, n in last.items():
             if slot not in keep:
@@ -302,6 +304,8 @@ class Tape:
         slots[:self.ninputs] = inputs
         if owned:
             inputs.clear()
+        for slot in self.unread:
+            slots[slot] = None
         device = next(t.device for t in slots if isinstance(t, torch.Tensor))  # (inputs first)
         launch = _launcher(device)
         pick = slots.__getitem__

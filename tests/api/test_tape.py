@@ -398,3 +398,41 @@ def test_taped_training_steps_on_gpu_equal_untaped_ones(tape_runs, monkeypatch):
         want, untaped_peak = peak(k, s)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert taped[-1][1] <= untaped_peak
+
+
+def test_owned_inputs_are_freed_after_their_last_reader(monkeypatch):
+    """A replay handed its inputs (``owned=True``) empties the list and holds each input until
+    its last reader, and one no step reads not at all (the backward hands its kept
+    intermediates over so, and may leave them unread: ``ops.backward._kept_matches``). Seen
+    from the operators the replay dispatches: which inputs are still alive at each."""
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+    monkeypatch.setattr(tape, "_TAPES", {})
+
+    def fn(handed):                                 # reads a, then b; never c
+        a, b, _ = handed
+        handed.clear()
+        return (torch.mul(a, 2) + torch.mul(b, 3),)
+
+    def call(inputs):
+        return tape.taped(("test", "owned"), None, fn, inputs, owned=True)
+
+    call([torch.ones(4), torch.ones(4), torch.ones(4)])              # recorded
+    inputs = [torch.full((4,), 2.0), torch.full((4,), 5.0), torch.full((4,), 7.0)]
+    refs = [weakref.ref(t) for t in inputs]
+    alive = []
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            alive.append((func.__name__, [r() is not None for r in refs]))
+            return func(*args, **(kwargs or {}))
+
+    with Probe():
+        got, = call(inputs)
+    assert inputs == [] and torch.equal(got, torch.full((4,), 19.0))
+    assert [name for name, _ in alive] == ["mul.Tensor", "mul.Tensor", "add.Tensor"]
+    # a alive for its multiplication, b for its own, c never once the replay runs
+    assert [flags for _, flags in alive] == [[True, True, False], [False, True, False],
+                                            [False, False, False]]
+    with pytest.raises(TypeError, match="owned inputs must be a list"):
+        call(tuple(inputs))

@@ -427,13 +427,17 @@ def run(args, device, backend):
     # groups are made collectively, by every rank, in the same order; the scan's on the device's
     # backend, the barriers' and the gathers' on gloo (host-side, and idle ranks spin no GPU)
     scan_groups, host_groups = {}, {}
-    host_world = dist.new_group(backend="gloo") if args.device == "cuda" else dist.group.WORLD
+    # (a new group's timeout is PyTorch's default, not the world's: given, so that ranks waiting
+    # on a long measurement of others wait as long as --timeout-s says)
+    wait = dict(timeout=datetime.timedelta(seconds=args.timeout_s))
+    host_world = (dist.new_group(backend="gloo", **wait) if args.device == "cuda"
+                  else dist.group.WORLD)
     for k in sizes:
         if k == world:
             scan_groups[k], host_groups[k] = dist.group.WORLD, host_world
         else:
-            scan_groups[k] = dist.new_group(list(range(k)))
-            host_groups[k] = (dist.new_group(list(range(k)), backend="gloo")
+            scan_groups[k] = dist.new_group(list(range(k)), **wait)
+            host_groups[k] = (dist.new_group(list(range(k)), backend="gloo", **wait)
                               if args.device == "cuda" else scan_groups[k])
     modes = MODES if args.mode == "both" else (args.mode,)
     whats = WHATS if args.what == "both" else (args.what,)

@@ -57,6 +57,7 @@ def test_uneven_slices_and_the_kernels(tmp_path):
                        "--seq-len", "50", "--steps", "3", "--no-noise-run"])
     runs = result["runs"]
     assert list(runs) == ["single", "cp3"] and runs["cp3"][0]["tokens_per_rank"] == 17
+    assert len(runs["cp3"]) == len(runs["single"]) == 3
     for a, b in zip(runs["cp3"], runs["single"]):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a, b)
 

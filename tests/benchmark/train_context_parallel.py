@@ -55,6 +55,7 @@ Defaults: sequence 16K tokens (4K a rank at 4 ranks), batch 4, d_model 128, head
 in that many steps is open; the curves are compared either way.
 """
 import argparse
+import datetime
 import math
 import os
 import sys
@@ -114,10 +115,14 @@ def train(args, device, group, seed, data_seed, label, log=print):
         opt.zero_grad(set_to_none=True)
         share.backward()                 # a collective: every rank runs it, answers or none
         if group is not None:
+            # one all-reduce of every gradient (zeros where this rank has none); a parameter no
+            # rank has a gradient for keeps none, as in one process (the optimizer skips it)
+            has = _sum_over(group, torch.tensor([p.grad is not None for p in params],
+                                                dtype=torch.float32, device=device))
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = _sum_over(group, torch.cat([g.reshape(-1) for g in grads]))
-            for p, g in zip(params, flat.split([p.numel() for p in params])):
-                p.grad = g.view_as(p)
+            for p, g, n in zip(params, flat.split([p.numel() for p in params]), has.tolist()):
+                p.grad = g.view_as(p) if n else None
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
@@ -177,9 +182,11 @@ def run(args, device, log=print):
     sizes = args.world_size_list or [world]
     if any(not 1 <= k <= world for k in sizes):
         raise SystemExit(f"--world-sizes {sizes}: each must be in 1..{world} (the launch's)")
-    # groups are made by every rank, in the same order; waits on gloo (idle ranks spin no GPU)
-    host = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-    groups = {k: dist.group.WORLD if k == world else dist.new_group(list(range(k)))
+    # groups are made by every rank, in the same order; waits on gloo (idle ranks spin no GPU),
+    # each as long as --timeout-s (a new group's default is PyTorch's, not the world's)
+    wait = dict(timeout=datetime.timedelta(seconds=args.timeout_s))
+    host = dist.new_group(backend="gloo", **wait) if device.type == "cuda" else dist.group.WORLD
+    groups = {k: dist.group.WORLD if k == world else dist.new_group(list(range(k)), **wait)
               for k in sizes}
     say = log if rank == 0 else _quiet
     say(f"multi-query associative recall, seq len {args.seq_len}, batch {args.batch}, vocab "

@@ -472,6 +472,12 @@ def test_refuses_bad_inputs():
         bwd_compute_out_plan(**inputs, launches="tokens", states=states)
     with pytest.raises(ValueError, match="states must be the five tensors"):
         bwd_compute_out_plan(**inputs, launches="dx", states=states[:4])
+    with pytest.raises(ValueError, match=r"states\[0\] must be the states' ddt terms"):
+        bwd_compute_out_plan(**inputs, launches="dx", states=states,     # one slice, not two
+                             config=dict(STATES_SLICES=2))
+    with pytest.raises(ValueError, match=r"states\[3\] must be dG's column sums"):
+        bwd_compute_out_plan(**inputs, launches="dx",
+                             states=(*states[:3], states[3][:, :1], states[4]))
     with pytest.raises(TypeError, match="entry_states must be a torch.Tensor"):
         bwd_compute_out_plan(**{**inputs, "entry_states": None}, launches="states")
 

@@ -1227,14 +1227,14 @@ def _check_inputs(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx):
 def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=None,
                          poison=False, config=None, launches="both", dS=None, D=None,
                          dx_dtype=torch.float32, states=None):
-    """The launch (an ``ops.runtime.launch.Plan``): its ``before`` holds the dentry kernel's launch
-    (unless ``launches="tokens"``), then with PAIRS the pair kernel's (and with SPLIT_DX the
-    states kernel's: the plan's own launch is then ``bwd_token_dx_kernel``), else with
-    SCORES_IN_MEMORY the chunk_scores launch; its
-    outputs are dx, the head-split partials of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum,
-    ddA_tiles, dD's partials and dentry. ``config``: a dict from ``search_space`` (or part of
-    one; missing keys take ``default_config``'s values for this shape, FUSE_STATES following
-    PAIRS: ``resolved_config``).
+    """The launch (an ``ops.runtime.launch.Plan``). With ``launches="both"`` (the default) its
+    ``before`` holds the dentry kernel's launch, then with PAIRS the pair kernel's (and with
+    SPLIT_DX the states kernel's: the plan's own launch is then ``bwd_token_dx_kernel``), else
+    with SCORES_IN_MEMORY the chunk_scores launch; its outputs are dx, the head-split partials
+    of dB and dC (splits, b, L, g, n), ddt_out, ddA_cumsum, ddA_tiles, dD's partials and
+    dentry. The other values of ``launches`` give parts of it (below). ``config``: a dict from
+    ``search_space`` (or part of one; missing keys take ``default_config``'s values for this
+    shape, FUSE_STATES following PAIRS: ``resolved_config``).
 
     ``launches="entry"`` gives the dentry kernel's plan alone (outputs (dentry,)), ``"tokens"``
     the token kernel's alone (outputs all but dentry, none allocated for it): ``ops/backward.py``
@@ -1323,6 +1323,17 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         dS is not None, D is not None, slices, tiles * nheads)
     if launches == "dx":
         # the states launch has run (launches="states"): its outputs the dx launch reads
+        terms = (slices, *dt_out.shape)
+        sums = (batch, nheads, nchunks, chunk_size // bt, chunk_size)
+        want = (("the states' ddt terms", terms), ("the states' ddA terms", terms),
+                ("C B^T", (batch, nchunks, ngroups, chunk_size, chunk_size)),
+                ("dG's column sums", sums), ("dG's row sums", sums))
+        for i, (t, (what, shape)) in enumerate(zip(states, want)):
+            if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape
+                    or t.dtype != torch.float32 or t.device != x.device):
+                raise ValueError(f"states[{i}] must be {what}: a float32 {shape} tensor on "
+                                 f"{x.device}, as launches='states' made it with this config, "
+                                 f"got {getattr(t, 'shape', type(t).__name__)}")
         grid, kernel, args = dx_launch(*states)
         return Plan((grid, batch), kernel, args, (dx, ddt, ddA, dD_parts))
     dB_parts = new_output((splits, batch, seqlen, ngroups, dstate), torch.float32, device, poison)
@@ -1359,7 +1370,6 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
         scores = new_scores(B, chunk_size, poison)
         before = (chunk_scores_plan(B, C, scores, bt, bt, min(tile_size(dstate), 128)),)
     grid = (tiles * ngroups * splits, batch)
-    outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
     if cfg["SPLIT_DX"]:
         # two launches after the pair kernel: the states' products and dB, dC over each block's
         # heads (a block per dstate slice); then dx, ddt and ddA with DX_HEADS_PER_BLOCK heads
@@ -1391,6 +1401,7 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                 tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
                 scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"])
         kernel = with_hints(fit_index_width(bwd_compute_out_kernel, args, cfg["INDEX64"]), cfg)
+    outputs = (dx, dB_parts, dC_parts, ddt, ddA, ddA_tiles, dD_parts)
     if launches == "tokens":
         return Plan(grid, kernel, args, outputs, before)
     return Plan(grid, kernel, args, outputs + (dentry,), (entry_plan,) + before)
