@@ -1,4 +1,4 @@
-"""Readers of the committed measurements: what notebooks 05-08 and the README's results table show.
+"""Readers of the committed measurements: what notebooks 05-09 and the README's results table show.
 
 The benchmarks that produce them live in ``tests/benchmark/`` (its README says how to run each);
 their CSVs, profiles and figures are committed under ``tests/benchmark/results/`` (``RESULTS``).
@@ -9,6 +9,7 @@ These modules only read and present them, so they work on any machine:
     ncu_summary    Nsight Compute CSV exports -> a short table of where a kernel's time goes
     tuning_report  what the autotuner measured, from its caches
     models         the model shapes the benchmarks time (MODELS)
+    scaling        context parallelism's scaling table (notebook 09, the README)
 
 ``RESULTS`` is found beside the sources, so it exists in a checkout (the project is installed
 editable, as ``requirements.txt`` does).

@@ -13,6 +13,9 @@ holds two tables at the four model shapes of ``ops.results.models.MODELS``, each
                           ms and peak MiB of the same three, and ours' speedup over each; where
                           every row has it (``--graph``), the GPU time too
 
+and, where ``CONTEXT_PARALLEL_CSV`` names one, context parallelism's scaling (every row of
+``tests/benchmark/context_parallel.py``'s CSV, as ``ops.results.scaling`` lays it out).
+
 Each implementation is read at the chunk a caller passes it (``CHUNKS``). A needed row that is
 missing, repeated or without a time raises ``MissingRow`` naming the CSV and the row: nothing is
 skipped silently. A new run that replaces a CSV changes one constant below.
@@ -33,6 +36,8 @@ FORWARD_CSV = "models_auto_h200.csv"
 TRAINING_CSVS = ("fwd_bwd_h200.csv",)
 # A later run of ours alone whose peak memory is quoted under the training table (None: none).
 PEAK_RECHECK_CSV = None
+# Context parallelism's scaling (``tests/benchmark/context_parallel.py``; None: no table).
+CONTEXT_PARALLEL_CSV = "context_parallel_1gpu_h200.csv"
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "benchmark" / "results"
@@ -229,10 +234,32 @@ def recheck_note(recheck, models=MODELS):
             f"{row['peak_mib']:.0f} MiB, {row['fwd_bwd_ms']:.2f} ms ({link(name)}).")
 
 
+def scaling_block(source):
+    """(lines of context parallelism's table, its note) from ``source``: (CSV name, rows)."""
+    from ops.results import scaling
+    name, rows = source
+    rows = scaling.scaling_rows(rows)
+    if not rows:
+        raise MissingRow(f"{name}: no rows")
+    first = rows[0]
+    sizes = sorted({int(r["world_size"]) for r in rows})
+    gpus = ("Measured so far on one GPU only: the baseline at world size 1, which a run over "
+            "several GPUs (`context_parallel.py` under torchrun) replaces." if sizes == [1]
+            else f"World sizes {', '.join(map(str, sizes))}, GPUs of one machine, NCCL.")
+    note = (f"From {link(name)}, on the {devices(rows)}: one sequence, {first.get('nheads')} heads × "
+            f"headdim {first.get('headdim')} × dstate {first.get('dstate')}, "
+            f"{first.get('dtype')}, this project's scan split over the GPUs "
+            "(`ops.context_parallel`); strong: one sequence split, weak: the same tokens per GPU. "
+            "ms: the slowest rank's median call; speedup and efficiency against one GPU; "
+            f"collective: the largest share of a rank's call spent in the exchanges. {gpus}")
+    return scaling.markdown(rows), note
+
+
 def build_block(forward_rows, training_sources, recheck=None, forward_source=FORWARD_CSV,
-                models=MODELS):
+                models=MODELS, scaling=None):
     """The text between the markers (without them), ending in a newline: the forward's table and
-    its note, then the training step's table and its note."""
+    its note, then the training step's table and its note, then (``scaling``: (CSV name, rows))
+    context parallelism's table and its note."""
     fwd, fwd_used = forward_table(forward_rows, forward_source, models)
     train, train_used, names = training_table(training_sources, models)
     device = devices(*fwd_used.values(), *train_used.values())
@@ -260,7 +287,11 @@ def build_block(forward_rows, training_sources, recheck=None, forward_source=FOR
                   + (f" Gradients within {sci(max(worst))} of Triton's." if worst else "")
                   + " TileGym gets dt already processed and returns no dt or dt_bias gradient."
                   + (recheck_note(recheck, models) if recheck is not None else ""))
-    return "\n".join(fwd + [""] + wrap(fwd_note) + [""] + train + [""] + wrap(train_note)) + "\n"
+    lines = fwd + [""] + wrap(fwd_note) + [""] + train + [""] + wrap(train_note)
+    if scaling is not None:
+        cp, cp_note = scaling_block(scaling)
+        lines += [""] + cp + [""] + wrap(cp_note)
+    return "\n".join(lines) + "\n"
 
 
 def block_from_csvs(results=RESULTS):
@@ -268,8 +299,12 @@ def block_from_csvs(results=RESULTS):
     recheck = None
     if PEAK_RECHECK_CSV:
         recheck = (PEAK_RECHECK_CSV, load(results / PEAK_RECHECK_CSV))
+    scaling = None
+    if CONTEXT_PARALLEL_CSV:
+        scaling = (CONTEXT_PARALLEL_CSV, load(results / CONTEXT_PARALLEL_CSV))
     return build_block(load(results / FORWARD_CSV),
-                       [(name, load(results / name)) for name in TRAINING_CSVS], recheck)
+                       [(name, load(results / name)) for name in TRAINING_CSVS], recheck,
+                       scaling=scaling)
 
 
 # The README ------------------------------------------------------------------------------------

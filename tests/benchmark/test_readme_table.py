@@ -131,3 +131,63 @@ def test_check_mode_reports_drift(tmp_path, capsys):
     assert rt.main(["--readme", str(readme)]) == 0            # rewrites it
     assert rt.main(["--check", "--readme", str(readme)]) == 0
     assert readme.read_text() == before + rt.block_from_csvs() + after
+
+
+def scaling_rows():
+    """context_parallel.py rows: the step at 1, 2 and 4 GPUs (strong, 1M tokens), the forward
+    at 1 (weak), listed out of order."""
+    common = dict(nheads=80, headdim=64, dstate=128, dtype="bfloat16", device="Test GPU")
+    strong = dict(common, mode="strong", what="step", tokens_total=1 << 20)
+    return [
+        dict(strong, world_size=4, tokens_per_rank=1 << 18, time_ms=30.0, collective_share=0.042,
+             peak_mib_max=15 * 1024, speedup=100 / 30, efficiency=100 / 120),
+        dict(common, mode="weak", what="forward", world_size=1, tokens_total=1 << 18,
+             tokens_per_rank=1 << 18, time_ms=6.8, collective_share=0.046,
+             peak_mib_max=10.4 * 1024, speedup=1.0, efficiency=1.0),
+        dict(strong, world_size=1, tokens_per_rank=1 << 20, time_ms=100.0, collective_share=0.005,
+             peak_mib_max=56 * 1024, speedup=1.0, efficiency=1.0),
+        dict(strong, world_size=2, tokens_per_rank=1 << 19, time_ms=55.0, collective_share=0.02,
+             peak_mib_max=29 * 1024, speedup=100 / 55, efficiency=100 / 110),
+    ]
+
+
+def test_scaling_table_by_hand():
+    """Context parallelism's table: strong before weak, world sizes ascending; the note says
+    which world sizes the CSV holds."""
+    lines, note = rt.scaling_block(("cp.csv", scaling_rows()))
+    assert lines[0] == ("| context parallel | tokens (per GPU) | GPUs | ms | speedup | efficiency "
+                        "| collective | peak GiB per GPU |")
+    assert lines[2:] == [
+        "| strong, training step | 1M (1M) | 1 | 100.0 | 1.00× | 100% | 0.5% | 56.0 |",
+        "| strong, training step | 1M (512K) | 2 | 55.0 | 1.82× | 91% | 2.0% | 29.0 |",
+        "| strong, training step | 1M (256K) | 4 | 30.0 | 3.33× | 83% | 4.2% | 15.0 |",
+        "| weak, forward | 256K (256K) | 1 | 6.8 | 1.00× | 100% | 4.6% | 10.4 |"]
+    assert "[`cp.csv`](tests/benchmark/results/cp.csv), on the Test GPU" in note
+    assert "80 heads × headdim 64 × dstate 128, bfloat16" in note
+    assert "World sizes 1, 2, 4" in note
+    _, alone = rt.scaling_block(("cp.csv", [r for r in scaling_rows() if r["world_size"] == 1]))
+    assert "one GPU only" in alone
+    block = rt.build_block(forward_rows(), [("step.csv", training_rows())],
+                           forward_source="fwd.csv", models=MODEL,
+                           scaling=("cp.csv", scaling_rows()))
+    assert block.endswith("\n".join(lines + [""] + rt.wrap(note)) + "\n")     # the last table
+
+
+def test_the_scaling_text_table():
+    """Notebook 09's plain-text table: the same cells, aligned; token counts in K and M."""
+    from ops.results import scaling
+    assert [scaling.tokens_text(n) for n in (3 << 20, 1 << 18, 1000, 1536)] == [
+        "3M", "256K", "1000", "1536"]
+    lines = scaling.text(scaling_rows()).split("\n")
+    assert len(lines) == 5 and len({len(line) for line in lines}) == 1
+    assert lines[1].split() == ["strong,", "training", "step", "1M", "(1M)", "1", "100.0",
+                                "1.00×", "100%", "0.5%", "56.0"]
+
+
+def test_a_scaling_row_without_a_column_raises():
+    rows = scaling_rows()
+    del rows[0]["collective_share"]
+    with pytest.raises(ValueError, match="lacks the column.*collective_share"):
+        rt.scaling_block(("cp.csv", rows))
+    with pytest.raises(rt.MissingRow, match="cp.csv: no rows"):
+        rt.scaling_block(("cp.csv", []))
