@@ -14,6 +14,9 @@ the backends; traced, through a PyTorch custom operator (``ops.torch_op``), so t
 Gradients: the kernel backends' forward is differentiable through the custom operator, whose
 backward runs the backward kernels (ops/backward.py); the reference backend is differentiated by
 autograd itself.
+
+A kernel backend's eager call whose tensors would reach 2**31 elements (a million tokens of 80
+heads, say) runs as calls on pieces that stay 32-bit indexed, joined ("In pieces" below).
 """
 import contextlib
 import functools
@@ -23,6 +26,7 @@ import torch
 from ops.inputs import check_values
 from ops.runtime import replay
 from ops.torch_op import EagerAutograd, forward, replay_key, ssd_forward
+from ops.tuning.compute_chunk import smallest_chunk
 from .checks import check_chunk_size, check_sizes
 
 BACKENDS = ("auto", "reference", "interpret", "cutile")
@@ -94,6 +98,17 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         raise NotImplementedError(
             "gradients through return_varlen_states are not implemented for the kernel "
             "backends: compute the varlen states under torch.no_grad(), or use backend='reference'")
+    pieces = None
+    if (resolved != "reference" and seq_idx is None and cu_seqlens is None
+            and not torch.compiler.is_compiling()):
+        pieces = _pieces(x, B, chunk_size)
+    if pieces is not None:
+        # past 32-bit indexing: rows apart, each row's tokens in segments ("In pieces" below)
+        out, final_states = _in_pieces(*pieces, x, dt, A, B, C, chunk_size, D, z, dt_bias,
+                                       initial_states, grad, dict(
+                                           dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                           state_dtype=state_dtype, backend=resolved))
+        return (out, final_states) if return_final_states else out
     options = dict(chunk_size=chunk_size, dt_softplus=bool(dt_softplus),
                    dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]),
                    with_varlen=bool(return_varlen_states), state_dtype=state_dtype)
@@ -127,6 +142,89 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 _NO_RECORDING = contextlib.nullcontext()
+
+
+# In pieces ------------------------------------------------------------------------------------
+#
+# A tensor the kernels index past 2**31 elements makes them index in 64 bits, and 64-bit-indexed
+# arrays cost the kernels the TMA copy engine (ops/runtime/launch.py, "32- or 64-bit indexing"):
+# on the H200 a 1M-token forward (80 heads of 64 x 128, bf16) took 58 ms, against 6.8 ms for
+# 256K tokens (tests/benchmark/results/context_parallel_1gpu_h200.csv). Rows are independent,
+# and a row's scan continues across a split of its tokens given the state at the split: so a
+# kernel backend's call whose tensors would reach 2**31 elements runs as calls on pieces that do
+# not -- groups of whole rows, or a row's tokens in segments, each segment starting from the
+# previous one's final state (float32, as returned) -- and joins their outputs. The same function:
+# the segments' chunks are the call's (a segment's length is a multiple of 256 and of the
+# chunk), only the state handed across a segment boundary is float32 where a single call stores
+# it in the state dtype. Gradients flow through the joins and the handed states like any
+# autograd graph. Not with seq_idx or cu_seqlens (the sequences' ids would have to be renumbered
+# per segment): those calls index in 64 bits.
+
+PIECE_LIMIT = 2 ** 31
+
+
+def _elements_per_token(x, B, chunk_size):
+    """The most elements per token of any tensor a call makes or reads: x-sized ones (x, z, y,
+    dx), B and C, and the chunks' entry states and their gradient, h p n / chunk per token at the
+    smallest chunk the kernels may compute with."""
+    _, _, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    low = smallest_chunk(chunk_size)
+    return max(nheads * headdim * max(1, -(-dstate // low)), ngroups * dstate)
+
+
+def _pieces(x, B, chunk_size):
+    """(rows per piece, tokens per segment) for a call whose tensors would reach ``PIECE_LIMIT``
+    elements, else None: whole rows while a row fits, else one row in segments of equal
+    length (a multiple of 256 and of ``chunk_size``). None too where a segment could not fit."""
+    batch, seqlen = x.shape[:2]
+    if x.numel() * max(1, -(-B.shape[3] // 16)) < PIECE_LIMIT:      # (most calls stop here)
+        return None
+    per_token = _elements_per_token(x, B, chunk_size)
+    if batch * seqlen * per_token < PIECE_LIMIT:
+        return None
+    if seqlen * per_token < PIECE_LIMIT:
+        return (PIECE_LIMIT - 1) // (seqlen * per_token), seqlen
+    align = max(256, chunk_size)
+    most = (PIECE_LIMIT - 1) // per_token // align * align
+    if most < align:
+        return None
+    count = -(-seqlen // most)
+    return 1, -(-seqlen // count // align) * align if count > 1 else seqlen
+
+
+def _in_pieces(rows, segment, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, grad,
+               options):
+    """(out, final_states) of the call, made by calls on pieces of ``rows`` rows and
+    ``segment`` tokens (``_pieces``). Without a gradient the output is written into one buffer
+    piece by piece; with one, joined by ``torch.cat`` (whose backward hands each piece its
+    slice of the gradient, without a full-size buffer per piece)."""
+    batch, seqlen = x.shape[:2]
+    by_rows = [min(rows, batch - i) for i in range(0, batch, rows)]
+    by_tokens = [min(segment, seqlen - i) for i in range(0, seqlen, segment)]
+    split = lambda t, sizes, dim: [None] * len(sizes) if t is None else t.split(sizes, dim)
+    out = None if grad else x.new_empty(x.shape)
+    row_outs, finals, first = [], [], 0
+    for xr, dtr, Br, Cr, zr, state in zip(*(split(t, by_rows, 0)
+                                            for t in (x, dt, B, C, z, initial_states))):
+        pieces, start = [], 0
+        for xs, dts, Bs, Cs, zs in zip(*(split(t, by_tokens, 1) for t in (xr, dtr, Br, Cr, zr))):
+            y, state = mamba_chunk_scan_combined(
+                xs, dts, A, Bs, Cs, chunk_size, D=D, z=zs, dt_bias=dt_bias,
+                initial_states=state, return_final_states=True, **options)
+            if out is None:
+                pieces.append(y)
+            else:
+                out[first:first + xs.shape[0], start:start + xs.shape[1]] = y
+            start += xs.shape[1]
+            del y
+        if out is None:
+            row_outs.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
+        finals.append(state)
+        first += xr.shape[0]
+    if out is None:
+        out = torch.cat(row_outs, 0) if len(row_outs) > 1 else row_outs[0]
+    return out, torch.cat(finals, 0) if len(finals) > 1 else finals[0]
 # Sequence-id dtypes converted to the kernels' int32 before a call is keyed for replay.
 _OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 

@@ -132,6 +132,18 @@ def chunk_for(chunk_size, **call):
     return auto_chunk(chunk_size, **call)
 
 
+def smallest_chunk(chunk_size):
+    """The smallest chunk the kernels may compute with for a caller's ``chunk_size``, whatever
+    the call's sizes and device (``chunk_for``'s choices): it bounds the entry states' size
+    before a call's own chunk is known (``ops.ssd_combined``'s calls in pieces)."""
+    how = mode()
+    if how == "caller":
+        return chunk_size
+    if how != "auto":
+        return how
+    return min([chunk_size] + [r["chunk"] for r in AUTO_RULES if r["caller"] == chunk_size])
+
+
 def kernel_chunk(chunk_size, x, B):
     """The chunk the kernels compute with, forward and backward, for a call with the caller's
     ``chunk_size`` and inputs ``x`` (b, L, h, p), ``B`` (b, L, g, n)."""

@@ -102,7 +102,7 @@ def train(args, device, group, seed, data_seed, label, log=print):
     answers_per_batch = args.batch * args.queries
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rows, last_t, last_step = [], None, 0
+    rows, last = [], (0.0, 0)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         inputs, targets, mask, _ = task.batch(step, args.batch)
@@ -140,16 +140,7 @@ def train(args, device, group, seed, data_seed, label, log=print):
         rows.append({"run": label, "world_size": world, "tokens_per_rank": largest, "seed": seed,
                      "data_seed": data_seed, "step": step, "loss": loss_v, "accuracy": acc_v,
                      "wall_s": now - start, "peak_mib": peak})
-        if step == 1:
-            log(f"[{label}] step 1: loss {loss_v:.4f}  acc {acc_v:.3f}  "
-                f"(first step, compilation included: {now - start:.1f} s)")
-        elif step % args.print_every == 0 or step == args.steps:
-            rate = (step - last_step) / (now - last_t)
-            log(f"[{label}] step {step}/{args.steps}: loss {loss_v:.4f}  acc {acc_v:.3f}  "
-                f"{rate:.2f} steps/s")
-        else:
-            continue
-        last_t, last_step = now, step
+        last = recall.progress(log, label, args, step, loss_v, acc_v, now - start, last)
     if group is not None:
         _check_replicas(params, group, label)
         _largest_peak(rows, group, device)
@@ -246,30 +237,11 @@ def parser():
                    help="default: cuda if there is one")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="auto: bf16 autocast on a GPU, float32 on the CPU")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--pairs", type=int, default=8)
-    p.add_argument("--queries", type=int, default=8)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--headdim", type=int, default=32)
-    p.add_argument("--dstate", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--wd", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0, help="the initial weights' seed")
-    p.add_argument("--data-seed", type=int, default=0, help="the batches' seed")
+    recall.add_training_options(p, steps=300, batch=4, seq_len=16384, chunk=256)
     p.add_argument("--noise-run", action=argparse.BooleanOptionalAction, default=True,
                    help="train the single run again at seed + 1, for the agreement rule")
-    p.add_argument("--smooth", type=int, default=10, help="trailing-mean window, in logged points")
-    p.add_argument("--log-every", type=int, default=1, help="steps between CSV rows")
-    p.add_argument("--print-every", type=int, default=25, help="steps between progress lines")
     p.add_argument("--timeout-s", type=int, default=3600,
                    help="the process group's timeout (ranks wait while others train)")
-    p.add_argument("--out", help="CSV file to write")
-    p.add_argument("--plot", help="figure (PNG) to write")
     return p
 
 
@@ -287,18 +259,9 @@ def check_args(p, args):
         p.error("--ranks spawns CPU ranks; on GPUs launch with torchrun instead")
     if args.ranks < 0:
         p.error(f"--ranks must be >= 0; got {args.ranks}")
-    for name in ("steps", "batch", "d_model", "layers", "headdim", "dstate", "chunk", "smooth",
-                 "log_every", "print_every", "timeout_s"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.d_model * 2 % args.headdim:
-        p.error(f"--headdim ({args.headdim}) must divide 2 * --d-model ({2 * args.d_model})")
-    if args.chunk & (args.chunk - 1):
-        p.error(f"--chunk must be a power of two; got {args.chunk}")
-    if args.seed < 0 or args.data_seed < 0:
-        p.error("--seed and --data-seed must be >= 0")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0; got {args.lr}")
+    if args.timeout_s < 1:
+        p.error(f"--timeout-s must be >= 1; got {args.timeout_s}")
+    recall.check_training_args(p, args, on_gpu)
     try:
         args.world_size_list = ([int(k) for k in args.world_sizes.split(",")]
                                 if args.world_sizes else None)
@@ -307,12 +270,6 @@ def check_args(p, args):
     largest = max(args.world_size_list or [args.ranks or 1])
     if args.seq_len < largest:
         p.error(f"--seq-len ({args.seq_len}) must give every one of {largest} ranks a token")
-    if args.precision == "auto":
-        args.precision = "bf16" if on_gpu else "fp32"
-    try:
-        recall.RecallTask(args.vocab, args.pairs, args.queries, args.seq_len)
-    except ValueError as e:
-        p.error(str(e))
     return args
 
 

@@ -267,7 +267,7 @@ def train(args, scan, seed, data_seed, label=None, log=print):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: lr_factor(i + 1, args.steps))
     bf16 = args.precision == "bf16"
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    rows, last_t, last_step = [], None, 0
+    rows, last = [], (0.0, 0)
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
         inputs, targets, _, positions = task.batch(step, args.batch)
@@ -293,17 +293,24 @@ def train(args, scan, seed, data_seed, label=None, log=print):
             raise RuntimeError(f"{label}: the loss is {loss_v} at step {step}")
         rows.append({"run": label, "scan": scan, "seed": seed, "data_seed": data_seed, "step": step,
                          "loss": loss_v, "accuracy": acc_v, "wall_s": now - start})
-        if step == 1:
-            log(f"[{label}] step 1: loss {loss_v:.4f}  acc {acc_v:.3f}  "
-                f"(first step, compilation included: {now - start:.1f} s)")
-        elif step % args.print_every == 0 or step == args.steps:
-            rate = (step - last_step) / (now - last_t)
-            log(f"[{label}] step {step}/{args.steps}: loss {loss_v:.4f}  acc {acc_v:.3f}  "
-                f"{rate:.1f} steps/s")
-        else:
-            continue
-        last_t, last_step = now, step
+        last = progress(log, label, args, step, loss_v, acc_v, now - start, last)
     return rows, model
+
+
+def progress(log, label, args, step, loss, accuracy, elapsed, last):
+    """Log ``step``'s line where one is due (the first step, every ``--print-every``, the
+    last), with the rate since the previous line: ``last`` (seconds elapsed, step) at that
+    line, returned anew when this step logs."""
+    if step == 1:
+        log(f"[{label}] step 1: loss {loss:.4f}  acc {accuracy:.3f}  "
+            f"(first step, compilation included: {elapsed:.1f} s)")
+    elif step % args.print_every == 0 or step == args.steps:
+        rate = (step - last[1]) / (elapsed - last[0])
+        log(f"[{label}] step {step}/{args.steps}: loss {loss:.4f}  acc {accuracy:.3f}  "
+            f"{rate:.2f} steps/s")
+    else:
+        return last
+    return elapsed, step
 
 
 @torch.no_grad()
@@ -404,32 +411,56 @@ def parser():
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="bf16: bf16 autocast over float32 parameters; auto: bf16 on a GPU, fp32 on the CPU")
-    p.add_argument("--steps", type=int, default=800)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--pairs", type=int, default=8)
-    p.add_argument("--queries", type=int, default=8)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--headdim", type=int, default=32)
-    p.add_argument("--dstate", type=int, default=32)
-    p.add_argument("--chunk", type=int, default=32)
+    add_training_options(p, steps=800, batch=32, seq_len=128, chunk=32)
     p.add_argument("--untied", action="store_true", help="a separate LM head (default: tied to the embedding)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--wd", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0, help="the initial weights' seed")
-    p.add_argument("--data-seed", type=int, default=0, help="the batches' seed")
     p.add_argument("--noise-run", action=argparse.BooleanOptionalAction, default=True,
                    help="train the baseline again at another seed, for the agreement rule (default on)")
     p.add_argument("--noise-vary", choices=("init", "data", "both"), default="init",
                    help="what the noise run changes: the initial weights (default), the batches, or both")
+    return p
+
+
+def add_training_options(p, *, steps, batch, seq_len, chunk):
+    """The task's, the model's, the optimizer's and the outputs' options, at these defaults for
+    the first four (``train_context_parallel.py`` trains the same model at others)."""
+    for name, default in (("--steps", steps), ("--batch", batch), ("--seq-len", seq_len),
+                          ("--vocab", 64), ("--pairs", 8), ("--queries", 8), ("--d-model", 128),
+                          ("--layers", 2), ("--headdim", 32), ("--dstate", 32), ("--chunk", chunk)):
+        p.add_argument(name, type=int, default=default)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--wd", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="the initial weights' seed")
+    p.add_argument("--data-seed", type=int, default=0, help="the batches' seed")
     p.add_argument("--smooth", type=int, default=10, help="trailing-mean window, in logged points")
     p.add_argument("--log-every", type=int, default=1, help="steps between CSV rows")
     p.add_argument("--print-every", type=int, default=25, help="steps between progress lines")
     p.add_argument("--out", help="CSV file to write")
     p.add_argument("--plot", help="figure (PNG) to write")
-    return p
+
+
+def check_training_args(p, args, on_gpu):
+    """``add_training_options``' options checked (``p.error`` naming the option), and
+    ``--precision auto`` resolved for the device."""
+    for name in ("steps", "batch", "d_model", "layers", "headdim", "dstate", "chunk", "smooth",
+                 "log_every", "print_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    if args.d_model * 2 % args.headdim:
+        p.error(f"--headdim ({args.headdim}) must divide 2 * --d-model ({2 * args.d_model})")
+    if args.chunk & (args.chunk - 1):
+        p.error(f"--chunk must be a power of two; got {args.chunk}")
+    if args.seed < 0 or args.data_seed < 0:
+        p.error("--seed and --data-seed must be >= 0")
+    if args.steps >= EVAL_STEP:
+        p.error(f"--steps must be below {EVAL_STEP}")
+    if not args.lr > 0:
+        p.error(f"--lr must be > 0; got {args.lr}")
+    if args.precision == "auto":
+        args.precision = "bf16" if on_gpu else "fp32"
+    try:
+        RecallTask(args.vocab, args.pairs, args.queries, args.seq_len)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def check_args(p, args):
@@ -452,24 +483,8 @@ def check_args(p, args):
             p.error("--scans interpret runs the kernels on the CPU: use --device cpu (or the cutile scan)")
         if s in ("cutile", "triton") and not on_gpu:
             p.error(f"--scans {s} needs a CUDA GPU (--device cuda); on the CPU use interpret,reference")
-    for name in ("steps", "batch", "d_model", "layers", "headdim", "dstate", "chunk", "smooth",
-                 "log_every", "print_every"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
-    if args.d_model * 2 % args.headdim:
-        p.error(f"--headdim ({args.headdim}) must divide 2 * --d-model ({2 * args.d_model})")
-    if args.chunk & (args.chunk - 1):
-        p.error(f"--chunk must be a power of two; got {args.chunk}")
-    if args.seed < 0 or args.data_seed < 0:
-        p.error("--seed and --data-seed must be >= 0")
-    if args.steps >= EVAL_STEP:
-        p.error(f"--steps must be below {EVAL_STEP}")
-    if not args.lr > 0:
-        p.error(f"--lr must be > 0; got {args.lr}")
-    if args.precision == "auto":
-        args.precision = "bf16" if on_gpu else "fp32"
+    check_training_args(p, args, on_gpu)
     try:
-        RecallTask(args.vocab, args.pairs, args.queries, args.seq_len)
         for s in scans:
             scan_options(s)
     except ValueError as e:

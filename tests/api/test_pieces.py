@@ -1,0 +1,120 @@
+"""Calls past 32-bit indexing run in pieces (``ops.ssd_combined``, "In pieces"): groups of rows,
+or one row's tokens in segments chained through their final states, joined.
+
+On the CPU the limit is lowered (``PIECE_LIMIT``) so that small problems split; the pieces'
+result is compared with the same call made whole, on the interpreter's kernels, float32.
+Tolerances: 1e-5 relative for outputs and final states, 2e-5 for gradients (float32: the state
+handed across a segment boundary is the float32 final state a whole call would also keep in
+float32 here; what differs is the order of a few sums, as in tests/api/test_api.py's float32
+bounds). ``_pieces``' arithmetic is checked at the real limit on a 1M-token layer's shapes.
+"""
+import pytest
+import torch
+
+import ops.ssd_combined as api
+from ops import mamba_chunk_scan_combined
+from reference.problems import make_problem
+from reference.validate import rel_err
+
+OPTIONS = dict(dt_softplus=True, dt_limit=(0.0, 1.5), backend="interpret")
+LEAVES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+
+
+def meta(*shape):
+    return torch.empty(shape, device="meta")
+
+
+def test_the_pieces_of_a_million_token_layer():
+    """At the real limit (2**31 elements): 80 heads of 64 x 128 at a caller's chunk 256 (the
+    kernels may compute at 128 there: entry states of x's size per token). A row of 1M tokens
+    takes three segments, each a multiple of 256; one row of 256K fits whole, two rows go one
+    by one; eight rows of 64K go six and two; dstate 256 doubles the states per token."""
+    x, B = meta(1, 1 << 20, 80, 64), meta(1, 1 << 20, 1, 128)
+    rows, segment = api._pieces(x, B, 256)
+    assert rows == 1 and segment % 256 == 0 and 3 * segment >= 1 << 20 > 2 * segment
+    assert segment * 80 * 64 < 2**31
+    assert api._pieces(meta(1, 1 << 18, 80, 64), meta(1, 1 << 18, 1, 128), 256) is None
+    assert api._pieces(meta(2, 1 << 18, 80, 64), meta(2, 1 << 18, 1, 128), 256) == (1, 1 << 18)
+    assert api._pieces(meta(8, 1 << 16, 80, 64), meta(8, 1 << 16, 1, 128), 256) == (6, 1 << 16)
+    rows, segment = api._pieces(meta(1, 1 << 20, 80, 64), meta(1, 1 << 20, 1, 256), 256)
+    assert segment * 80 * 64 * 2 < 2**31 and 6 * segment >= 1 << 20
+    # a caller's chunk of 64 (computed at 64): states of x's size per token at dstate 64 only
+    rows, segment = api._pieces(meta(1, 1 << 20, 80, 64), meta(1, 1 << 20, 1, 128), 64)
+    assert segment * 80 * 64 * 2 < 2**31
+
+
+def _call(kw, grad):
+    leaves = {k: (v.detach().clone().requires_grad_(grad and k in LEAVES)
+                  if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    out, final = mamba_chunk_scan_combined(**leaves, chunk_size=32, return_final_states=True,
+                                           **OPTIONS)
+    grads = {}
+    if grad:
+        g = torch.Generator().manual_seed(9)
+        w_out, w_final = torch.randn(out.shape, generator=g), torch.randn(final.shape, generator=g)
+        ((out * w_out).sum() + (final * w_final).sum()).backward()
+        grads = {k: leaves[k].grad for k in LEAVES if k in leaves}
+    return out.detach(), final.detach(), grads
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("batch, seqlen, expect", [
+    (1, 700, (1, 256)),        # one row, segments of 256, 256 and 188 tokens
+    (3, 200, (2, 200)),        # whole rows, pieces of two and one
+], ids=["segments", "rows"])
+def test_pieces_give_the_whole_calls_result(monkeypatch, grad, batch, seqlen, expect):
+    kw = make_problem(batch=batch, seqlen=seqlen, nheads=2, headdim=8, ngroups=1, dstate=16,
+                      dtype=torch.float32, seed=4)
+    whole = _call(kw, grad)
+    from ops.runtime import replay, tape
+    monkeypatch.setattr(replay, "_REPLAYS", {})      # (a replay keys on the shapes, not the limit)
+    monkeypatch.setattr(tape, "_TAPES", {})
+    monkeypatch.setattr(api, "PIECE_LIMIT", 8192)   # 16 elements per token: a row of 512 fits
+    assert api._pieces(kw["x"], kw["B"], 32) == expect
+    calls, inner = [], api.mamba_chunk_scan_combined
+
+    def counted(x, *args, **kwargs):
+        calls.append(tuple(x.shape[:2]))
+        return inner(x, *args, **kwargs)
+    monkeypatch.setattr(api, "mamba_chunk_scan_combined", counted)
+    split = _call(kw, grad)
+    assert calls == ([(1, 256), (1, 256), (1, 188)] if batch == 1 else [(2, 200), (1, 200)])
+    for name, a, b in (("out", split[0], whole[0]), ("final states", split[1], whole[1])):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
+    assert split[2].keys() == whole[2].keys() == (set(LEAVES) if grad else set())
+    for name in split[2]:
+        assert rel_err(split[2][name], whole[2][name]) < 2e-5, name
+
+
+def test_sequence_ids_keep_a_call_whole(monkeypatch):
+    """With seq_idx the call is not split (the ids would need renumbering per segment): it
+    runs whole, 64-bit indexed where it must be."""
+    kw = make_problem(batch=1, seqlen=700, nheads=2, headdim=8, ngroups=1, dstate=16,
+                      dtype=torch.float32, seed=5, seq_boundaries=[100, 400])
+    monkeypatch.setattr(api, "PIECE_LIMIT", 8192)
+    monkeypatch.setattr(api, "_in_pieces", lambda *a: pytest.fail("split a call with seq_idx"))
+    out = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS)
+    assert out.shape == kw["x"].shape and torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_a_call_past_two_to_the_31_elements_on_the_gpu():
+    """On the GPU at the real limit: 1 x (2**19 + 4096) tokens x 80 heads of 64 (bf16, dstate
+    16), so x has more than 2**31 elements and the call runs in segments, 32-bit indexed. Its
+    output and final state against the same kernels run whole (``kernel_forward``, 64-bit
+    indexed): bf16's bound, 1e-2 (the whole run stores the entry state at a segment boundary
+    in bf16, the pieces hand it over in float32)."""
+    from ops.forward import kernel_forward
+    torch.manual_seed(0)
+    b, L, h, p, n = 1, (1 << 19) + 4096, 80, 64, 16
+    assert b * L * h * p > 2**31
+    x = torch.randn(b, L, h, p, device="cuda", dtype=torch.bfloat16)
+    dt = torch.randn(b, L, h, device="cuda") * 0.5 - 1.0
+    A = -(torch.rand(h, device="cuda") + 0.5)
+    B, C = (torch.randn(b, L, 1, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    D = torch.randn(h, device="cuda")
+    assert api._pieces(x, B, 256) is not None
+    out, final = mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, dt_softplus=True,
+                                           return_final_states=True)
+    whole, whole_final = kernel_forward(x, dt, A, B, C, 256, D=D, dt_softplus=True)
+    assert rel_err(out, whole) < 1e-2 and rel_err(final, whole_final) < 1e-2
