@@ -144,6 +144,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 _NO_RECORDING = contextlib.nullcontext()
 
 
+# Sequence-id dtypes converted to the kernels' int32 before a call is keyed for replay.
+_OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
 # In pieces ------------------------------------------------------------------------------------
 #
 # A tensor the kernels index past 2**31 elements makes them index in 64 bits, and 64-bit-indexed
@@ -153,12 +157,14 @@ _NO_RECORDING = contextlib.nullcontext()
 # and a row's scan continues across a split of its tokens given the state at the split: so a
 # kernel backend's call whose tensors would reach 2**31 elements runs as calls on pieces that do
 # not -- groups of whole rows, or a row's tokens in segments, each segment starting from the
-# previous one's final state (float32, as returned) -- and joins their outputs. The same function:
-# the segments' chunks are the call's (a segment's length is a multiple of 256 and of the
-# chunk), only the state handed across a segment boundary is float32 where a single call stores
-# it in the state dtype. Gradients flow through the joins and the handed states like any
-# autograd graph. Not with seq_idx or cu_seqlens (the sequences' ids would have to be renumbered
-# per segment): those calls index in 64 bits.
+# previous one's final state (float32, as returned) -- and joins their outputs. The same
+# function, rounded differently: a segment's chunks start where the call's would (its length is
+# a multiple of 256 and of the chunk), but a piece may compute at another chunk than the whole
+# call (ops/tuning/compute_chunk.py: at 128 where its entry states stay under 2**31), and the
+# state handed across a segment boundary is float32 where a single call stores it in the state
+# dtype. Gradients flow through the joins and the handed states like any autograd graph. Not
+# with seq_idx or cu_seqlens (the sequences' ids would have to be renumbered per segment):
+# those calls index in 64 bits.
 
 PIECE_LIMIT = 2 ** 31
 
@@ -189,8 +195,8 @@ def _pieces(x, B, chunk_size):
     most = (PIECE_LIMIT - 1) // per_token // align * align
     if most < align:
         return None
-    count = -(-seqlen // most)
-    return 1, -(-seqlen // count // align) * align if count > 1 else seqlen
+    count = -(-seqlen // most)                     # (at least two: a row does not fit)
+    return 1, -(-seqlen // count // align) * align
 
 
 def _in_pieces(rows, segment, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, grad,
@@ -225,8 +231,6 @@ def _in_pieces(rows, segment, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial
     if out is None:
         out = torch.cat(row_outs, 0) if len(row_outs) > 1 else row_outs[0]
     return out, torch.cat(finals, 0) if len(finals) > 1 else finals[0]
-# Sequence-id dtypes converted to the kernels' int32 before a call is keyed for replay.
-_OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 
 
 def _replay_key(tensors, chunk_size, dt_softplus, dt_limit, state_dtype, backend):
