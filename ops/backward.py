@@ -733,9 +733,11 @@ def ssd_backward(dout: Optional[Tensor], dfinal: Optional[Tensor], x: Tensor, dt
 
 def backward_work(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
                   cu_seqlens, *, chunk_size, dt_softplus, dt_min, dt_max, state_dtype, wanted,
-                  kept=None):
+                  kept=None, placeholders=True):
     """``ssd_backward``'s work; ``kept``: the forward's intermediates where it kept them
-    (``keeps``; an eager training step's forward, ``ops.torch_op.EagerAutograd``)."""
+    (``keeps``; an eager training step's forward, ``ops.torch_op.EagerAutograd``).
+    ``placeholders``: an input's gradient not wanted is an empty float32 tensor, as the
+    operator's schema needs (else None: allocations fewer for an eager step)."""
     if len(wanted) != len(INPUTS):
         raise ValueError(f"wanted must have one flag per input of {INPUTS}, got {len(wanted)}")
     # The forward's preparation of its inputs (the values were checked there).
@@ -750,7 +752,8 @@ def backward_work(dout, dfinal, x, dt, A, B, C, D, z, dt_bias, initial_states, s
                         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
                         states_dtype=state_dtype or x.dtype, wanted=names, input_dtypes=True,
                         kept=kept)
-    return [g["d" + n] if n in names else x.new_empty((0,), dtype=torch.float32)
+    return [g["d" + n] if n in names
+            else x.new_empty((0,), dtype=torch.float32) if placeholders else None
             for n in INPUTS]
 
 

@@ -32,12 +32,15 @@ Tensor = torch.Tensor
 
 
 def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, *, chunk_size,
-            dt_softplus, dt_min, dt_max, with_varlen, state_dtype, backend, keep=False):
+            dt_softplus, dt_min, dt_max, with_varlen, state_dtype, backend, keep=False,
+            placeholder=True):
     """The operator's work, callable directly: -> (out, final_states, varlen_states). Traced
     directly (a differentiable call under torch.compile), it skips the value checks, which
     would need the values at tracing. ``keep``: a training step's forward, which also returns
     the kernels' intermediates (dt_out, dA_cumsum, entry states) for the backward where
-    ``ops.backward.keeps`` says so (three more results)."""
+    ``ops.backward.keeps`` says so (three more results). ``placeholder``: without
+    ``with_varlen``, varlen_states is an empty tensor, as the operator's schema needs (else
+    None: one allocation fewer for an eager step)."""
     seq_idx = check_values(x, seq_idx, cu_seqlens, check=not torch.compiler.is_compiling())
     x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx = (
         as_kernel_input(t) for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx))
@@ -60,10 +63,12 @@ def forward(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, 
         exp = torch.exp2                     # the kernels' cumsum is in log2 units
     if with_varlen:
         varlen = varlen_states(x, B, dt_out, dA_cumsum, entry, cu_seqlens, seq_idx, exp=exp)
-    else:
+    elif placeholder:
         varlen = final_states.new_empty((0,) + tuple(final_states.shape[1:]))
+    else:
+        varlen = None
     sdt = states_result_dtype(x)
-    results = (out, final_states.to(sdt), varlen.to(sdt))
+    results = (out, final_states.to(sdt), None if varlen is None else varlen.to(sdt))
     if keep and backend != "reference":
         from ops.backward import keeps
         if keeps(x, entry):
@@ -193,7 +198,8 @@ def _gradients(ctx, dout, dfinal, eager):
             if cu_seqlens is None:
                 key, stamp = replay_key(handed, ("backward", tuple(o.items()), tuple(wanted)))
             grads = taped(key, stamp, lambda a: backward_work(
-                *a[:len(args)], kept=_taken(a, len(args)), **options), handed, owned=True)
+                *a[:len(args)], kept=_taken(a, len(args)), placeholders=False, **options),
+                handed, owned=True)
     return tuple((g if g.dtype == t.dtype else g.to(t.dtype)) if want else None
                  for g, t, want in zip(grads, inputs, wanted, strict=True)) + (None, None)
 
@@ -219,7 +225,8 @@ def _eager_forward(inputs, keep):
     if seq_idx is None and cu_seqlens is None and not options["with_varlen"]:
         # no sequence ids to check: the call's host work is taped (ops.runtime.tape)
         key, stamp = replay_key(tensors, ("forward", tuple(options.items()), keep))
-    return taped(key, stamp, lambda *t: forward(*t, **options, keep=keep), tensors)
+    return taped(key, stamp, lambda *t: forward(*t, **options, keep=keep, placeholder=False),
+                 tensors)
 
 
 def _save_inputs(ctx, inputs):

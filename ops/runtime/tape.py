@@ -25,8 +25,8 @@ A recording is kept only if the call can be replayed exactly (``Tape.usable``): 
 steps read is an input, a step's output or a marked stand-in the kernels never read
 (``ops.runtime.launch.unread_stand_in``); no operator returned a Python value (reading a tensor's
 value on the host, ``.item()`` or ``bool()``, would make the steps depend on the values, not only
-the key); and its results are tensors the steps made. Otherwise the key is marked never to be
-recorded again. Two things the tape cannot see are rules for what it records: a value read
+the key); and its results are tensors the steps made, or None. Otherwise the key is marked never
+to be recorded again. Two things the tape cannot see are rules for what it records: a value read
 without an operator (``.tolist()``, ``.numpy()``), and a module-level setting read during the call
 (a tile size, a slice length): change one and ``clear()`` the tapes, or calls keep replaying what
 the old setting made.
@@ -197,10 +197,11 @@ class Tape:
     def finish(self, results):
         """Close the recording: the results' slots, the steps no one needs dropped, and after
         each step the slots released."""
-        specs = [self._spec(r) for r in results]
-        if not all(kind == _SLOT and slot >= self.ninputs for kind, slot in specs):
+        specs = [(_VALUE, None) if r is None else self._spec(r) for r in results]
+        if not all(kind == _SLOT and slot >= self.ninputs or (kind, slot) == (_VALUE, None)
+                   for kind, slot in specs):
             self.usable = False
-        self.results = tuple(slot for _, slot in specs)
+        self.results = tuple(slot for _, slot in specs)       # (None: a result that is None)
         self.result_type = type(results)
         self._ids = None
         if not self.usable:
@@ -226,7 +227,7 @@ class Tape:
         """Operators that change no tensor and whose outputs nothing reads (the stand-ins'
         zeros, a view taken and not used) are dropped, last first; one that returns nothing is
         kept (a check, say: its effect is not an output)."""
-        needed = set(self.results)
+        needed = set(self.results) - {None}
         kept = []
         for step in reversed(self.steps):
             if (step[0] == _OP and not step[5] and step[4] is not None
@@ -241,7 +242,7 @@ class Tape:
         for n, step in enumerate(self.steps):
             for slot in (*self._reads(step), *self._made(step)):
                 last[slot] = n
-        keep = set(self.results)
+        keep = set(self.results) - {None}
         # inputs no step reads (an owned one is then freed as the replay starts)
         self.unread = tuple(s for s in range(self.ninputs) if s not in last and s not in keep)
         released = [[] for _ in self.steps]
@@ -332,7 +333,7 @@ class Tape:
                         slots[slot] = t
             for slot in released:
                 slots[slot] = None
-        return self.result_type(slots[s] for s in self.results)
+        return self.result_type(None if s is None else slots[s] for s in self.results)
 
 
 # Operators called through their own Python bindings on replay ----------------------------------
