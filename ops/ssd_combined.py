@@ -101,7 +101,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     pieces = None
     if (resolved != "reference" and seq_idx is None and cu_seqlens is None
             and not torch.compiler.is_compiling()):
-        pieces = _pieces(x, B, chunk_size)
+        pieces = _pieces(x, dt, B, C, z, chunk_size)
     if pieces is not None:
         # past 32-bit indexing: rows apart, each row's tokens in segments ("In pieces" below)
         out, final_states = _in_pieces(*pieces, x, dt, A, B, C, chunk_size, D, z, dt_bias,
@@ -159,7 +159,7 @@ _OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 # not -- groups of whole rows, or a row's tokens in segments, each segment starting from the
 # previous one's final state (float32, as returned) -- and joins their outputs. The same
 # function, rounded differently: a segment's chunks start where the call's would (its length is
-# a multiple of 256 and of the chunk), but a piece may compute at another chunk than the whole
+# a multiple of 256, so of the chunk), but a piece may compute at another chunk than the whole
 # call (ops/tuning/compute_chunk.py: at 128 where its entry states stay under 2**31), and the
 # state handed across a segment boundary is float32 where a single call stores it in the state
 # dtype. Gradients flow through the joins and the handed states like any autograd graph. Not
@@ -169,34 +169,40 @@ _OTHER_INTEGERS = (torch.int64, torch.int16, torch.int8, torch.uint8)
 PIECE_LIMIT = 2 ** 31
 
 
-def _elements_per_token(x, B, chunk_size):
-    """The most elements per token of any tensor a call makes or reads: x-sized ones (x, z, y,
-    dx), B and C, and the chunks' entry states and their gradient, h p n / chunk per token at the
-    smallest chunk the kernels may compute with."""
+def _elements_per_token(x, dt, B, C, z, low):
+    """For sizing a call's pieces: the most elements per token of what its kernels index -- the
+    inputs as laid out (a view's stride along the sequence: what indexing it reaches,
+    ``ops.runtime.launch.element_reach``), x-sized outputs and gradients, B and C, the chunks'
+    entry states and their gradient (h p n / chunk per token, at chunk ``low`` or more), and
+    C B^T per chunk and group (g x chunk per token, chunk 256 at most). Not bounded: the
+    backward's head-split partials (a few per group), which in shapes with as many groups as
+    heads may still take a piece's backward kernel to 64-bit indexing (slower, as exact)."""
     _, _, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
-    low = smallest_chunk(chunk_size)
-    return max(nheads * headdim * max(1, -(-dstate // low)), ngroups * dstate)
+    strides = [t.stride(1) for t in (x, dt, B, C, z) if t is not None and t.shape[1] > 1]
+    return max(nheads * headdim * max(1, -(-dstate // low)), ngroups * max(dstate, 256),
+               *strides)
 
 
-def _pieces(x, B, chunk_size):
+def _pieces(x, dt, B, C, z, chunk_size):
     """(rows per piece, tokens per segment) for a call whose tensors would reach ``PIECE_LIMIT``
-    elements, else None: whole rows while a row fits, else one row in segments of equal
-    length (a multiple of 256 and of ``chunk_size``). None too where a segment could not fit."""
+    elements, else None: whole rows while a row fits, else one row in segments of equal length,
+    a multiple of 256 (so of every chunk: at most 256, powers of two). A row's chunks count as
+    whole chunks (the states of a last chunk cut short take a whole chunk's room)."""
     batch, seqlen = x.shape[:2]
-    if x.numel() * max(1, -(-B.shape[3] // 16)) < PIECE_LIMIT:      # (most calls stop here)
+    padded = -(-seqlen // 256) * 256
+    if batch * padded * _elements_per_token(x, dt, B, C, z, 16) < PIECE_LIMIT:
+        return None                               # (most calls stop here, at the least chunk)
+    per_token = _elements_per_token(x, dt, B, C, z, smallest_chunk(chunk_size))
+    if batch * padded * per_token < PIECE_LIMIT:
         return None
-    per_token = _elements_per_token(x, B, chunk_size)
-    if batch * seqlen * per_token < PIECE_LIMIT:
-        return None
-    if seqlen * per_token < PIECE_LIMIT:
-        return (PIECE_LIMIT - 1) // (seqlen * per_token), seqlen
-    align = max(256, chunk_size)
-    most = (PIECE_LIMIT - 1) // per_token // align * align
-    if most < align:
+    if padded * per_token < PIECE_LIMIT:
+        return (PIECE_LIMIT - 1) // (padded * per_token), seqlen
+    most = (PIECE_LIMIT - 1) // per_token // 256 * 256
+    if most < 256:
         return None
     count = -(-seqlen // most)                     # (at least two: a row does not fit)
-    return 1, -(-seqlen // count // align) * align
+    return 1, -(-seqlen // count // 256) * 256
 
 
 def _in_pieces(rows, segment, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, grad,
@@ -208,7 +214,10 @@ def _in_pieces(rows, segment, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial
     batch, seqlen = x.shape[:2]
     by_rows = [min(rows, batch - i) for i in range(0, batch, rows)]
     by_tokens = [min(segment, seqlen - i) for i in range(0, seqlen, segment)]
-    split = lambda t, sizes, dim: [None] * len(sizes) if t is None else t.split(sizes, dim)
+    # (one piece along a dimension: the tensor itself, no split node, whose backward would copy
+    # the whole gradient once more)
+    split = lambda t, sizes, dim: ([t] * len(sizes) if t is None or len(sizes) == 1
+                                   else t.split(sizes, dim))
     out = None if grad else x.new_empty(x.shape)
     row_outs, finals, first = [], [], 0
     for xr, dtr, Br, Cr, zr, state in zip(*(split(t, by_rows, 0)

@@ -24,23 +24,45 @@ def meta(*shape):
     return torch.empty(shape, device="meta")
 
 
+def pieces(batch, seqlen, nheads, headdim, ngroups, dstate, chunk, dt=None):
+    """``_pieces`` for a call of these sizes (meta tensors; ``dt`` as given, else contiguous)."""
+    x, B = meta(batch, seqlen, nheads, headdim), meta(batch, seqlen, ngroups, dstate)
+    dt = meta(batch, seqlen, nheads) if dt is None else dt
+    return api._pieces(x, dt, B, B, None, chunk)
+
+
 def test_the_pieces_of_a_million_token_layer():
     """At the real limit (2**31 elements): 80 heads of 64 x 128 at a caller's chunk 256 (the
     kernels may compute at 128 there: entry states of x's size per token). A row of 1M tokens
     takes three segments, each a multiple of 256; one row of 256K fits whole, two rows go one
     by one; eight rows of 64K go six and two; dstate 256 doubles the states per token."""
-    x, B = meta(1, 1 << 20, 80, 64), meta(1, 1 << 20, 1, 128)
-    rows, segment = api._pieces(x, B, 256)
+    rows, segment = pieces(1, 1 << 20, 80, 64, 1, 128, 256)
     assert rows == 1 and segment % 256 == 0 and 3 * segment >= 1 << 20 > 2 * segment
     assert segment * 80 * 64 < 2**31
-    assert api._pieces(meta(1, 1 << 18, 80, 64), meta(1, 1 << 18, 1, 128), 256) is None
-    assert api._pieces(meta(2, 1 << 18, 80, 64), meta(2, 1 << 18, 1, 128), 256) == (1, 1 << 18)
-    assert api._pieces(meta(8, 1 << 16, 80, 64), meta(8, 1 << 16, 1, 128), 256) == (6, 1 << 16)
-    rows, segment = api._pieces(meta(1, 1 << 20, 80, 64), meta(1, 1 << 20, 1, 256), 256)
+    assert pieces(1, 1 << 18, 80, 64, 1, 128, 256) is None
+    assert pieces(2, 1 << 18, 80, 64, 1, 128, 256) == (1, 1 << 18)
+    assert pieces(8, 1 << 16, 80, 64, 1, 128, 256) == (6, 1 << 16)
+    rows, segment = pieces(1, 1 << 20, 80, 64, 1, 256, 256)
     assert segment * 80 * 64 * 2 < 2**31 and 6 * segment >= 1 << 20
-    # a caller's chunk of 64 (computed at 64): states of x's size per token at dstate 64 only
-    rows, segment = api._pieces(meta(1, 1 << 20, 80, 64), meta(1, 1 << 20, 1, 128), 64)
+    # a caller's chunk of 64 (computed at 64): states twice x's size per token at dstate 128
+    rows, segment = pieces(1, 1 << 20, 80, 64, 1, 128, 64)
     assert segment * 80 * 64 * 2 < 2**31
+
+
+def test_what_bounds_a_piece():
+    """Besides x and the states: a row's last chunk cut short still takes a whole chunk's
+    states (1000 tokens at chunk 64 are 16 chunks: 500 rows go 409 at a time, not 419); an
+    input passed as a view reaches as far as its stride along the sequence (dt as the mixer
+    cuts it from the input projection: 10576 elements a token, twice x's); B and C with as many
+    groups as heads, and C B^T per chunk and group."""
+    rows, _ = pieces(500, 1000, 80, 64, 1, 64, 64)
+    assert rows * 1024 * 80 * 64 < 2**31 and rows == 409
+    _, plain = pieces(1, 1 << 20, 80, 64, 1, 128, 256)
+    _, viewed = pieces(1, 1 << 20, 80, 64, 1, 128, 256,
+                       dt=torch.empty(1, 1 << 20, 10576, device="meta")[..., :80])
+    assert viewed * 10576 < 2**31 < plain * 10576
+    _, grouped = pieces(1, 1 << 20, 64, 8, 64, 256, 256)                    # B: 16384 a token
+    assert grouped * 64 * 256 < 2**31
 
 
 def _call(kw, grad):
@@ -58,27 +80,30 @@ def _call(kw, grad):
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
-@pytest.mark.parametrize("batch, seqlen, expect", [
-    (1, 700, (1, 256)),        # one row, segments of 256, 256 and 188 tokens
-    (3, 200, (2, 200)),        # whole rows, pieces of two and one
-], ids=["segments", "rows"])
-def test_pieces_give_the_whole_calls_result(monkeypatch, grad, batch, seqlen, expect):
+@pytest.mark.parametrize("batch, seqlen, expect, calls", [
+    (1, 700, (1, 512), [(1, 512), (1, 188)]),          # one row, segments of 512 and 188
+    (2, 700, (1, 512), [(1, 512), (1, 188)] * 2),      # each row so
+    (3, 200, (2, 200), [(2, 200), (1, 200)]),          # whole rows, pieces of two and one
+], ids=["segments", "rows-in-segments", "rows"])
+def test_pieces_give_the_whole_calls_result(monkeypatch, grad, batch, seqlen, expect, calls):
+    """The limit lowered to 3 x 2**16: C B^T's room, 256 a token here, makes a row of 700
+    tokens (768 in whole chunks of 256) too long and one of 200 (256) fit three times."""
     kw = make_problem(batch=batch, seqlen=seqlen, nheads=2, headdim=8, ngroups=1, dstate=16,
                       dtype=torch.float32, seed=4)
     whole = _call(kw, grad)
     from ops.runtime import replay, tape
     monkeypatch.setattr(replay, "_REPLAYS", {})      # (a replay keys on the shapes, not the limit)
     monkeypatch.setattr(tape, "_TAPES", {})
-    monkeypatch.setattr(api, "PIECE_LIMIT", 8192)   # 16 elements per token: a row of 512 fits
-    assert api._pieces(kw["x"], kw["B"], 32) == expect
-    calls, inner = [], api.mamba_chunk_scan_combined
+    monkeypatch.setattr(api, "PIECE_LIMIT", 3 * 2**16)
+    assert api._pieces(kw["x"], kw["dt"], kw["B"], kw["C"], kw["z"], 32) == expect
+    made, inner = [], api.mamba_chunk_scan_combined
 
     def counted(x, *args, **kwargs):
-        calls.append(tuple(x.shape[:2]))
+        made.append(tuple(x.shape[:2]))
         return inner(x, *args, **kwargs)
     monkeypatch.setattr(api, "mamba_chunk_scan_combined", counted)
     split = _call(kw, grad)
-    assert calls == ([(1, 256), (1, 256), (1, 188)] if batch == 1 else [(2, 200), (1, 200)])
+    assert made == calls
     for name, a, b in (("out", split[0], whole[0]), ("final states", split[1], whole[1])):
         assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
     assert split[2].keys() == whole[2].keys() == (set(LEAVES) if grad else set())
@@ -91,7 +116,7 @@ def test_sequence_ids_keep_a_call_whole(monkeypatch):
     runs whole, 64-bit indexed where it must be."""
     kw = make_problem(batch=1, seqlen=700, nheads=2, headdim=8, ngroups=1, dstate=16,
                       dtype=torch.float32, seed=5, seq_boundaries=[100, 400])
-    monkeypatch.setattr(api, "PIECE_LIMIT", 8192)
+    monkeypatch.setattr(api, "PIECE_LIMIT", 3 * 2**16)
     monkeypatch.setattr(api, "_in_pieces", lambda *a: pytest.fail("split a call with seq_idx"))
     out = mamba_chunk_scan_combined(**kw, chunk_size=32, **OPTIONS)
     assert out.shape == kw["x"].shape and torch.isfinite(out).all()
@@ -113,7 +138,7 @@ def test_a_call_past_two_to_the_31_elements_on_the_gpu():
     A = -(torch.rand(h, device="cuda") + 0.5)
     B, C = (torch.randn(b, L, 1, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     D = torch.randn(h, device="cuda")
-    assert api._pieces(x, B, 256) is not None
+    assert api._pieces(x, dt, B, C, None, 256) is not None
     out, final = mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, dt_softplus=True,
                                            return_final_states=True)
     whole, whole_final = kernel_forward(x, dt, A, B, C, 256, D=D, dt_softplus=True)
