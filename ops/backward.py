@@ -126,7 +126,7 @@ from ops.tuning.autotune import mode, tuner
 from ops.tuning.compute_chunk import kernel_chunk
 from ops.tuning.configs import resolve_config, unique
 from ops.runtime.launch import run
-from ops.inputs import as_kernel_input, check_values
+from ops.inputs import as_kernel_input, check_values, with_canonical_strides
 from ops.checks import tile_size
 from ops.kernels.common import as_int32, sum_splits
 
@@ -544,8 +544,10 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     out_dtype = (lambda name: given[name].dtype) if input_dtypes else (lambda name: torch.float32)
     batch, seqlen = x.shape[:2]
     seq_idx = None if seq_idx is None else as_int32(seq_idx).contiguous()
-    # dout from autograd may be an expanded tensor (a sum's ones) or absent (an unused output).
-    dout = torch.zeros_like(x) if dout is None else dout
+    # dout from autograd may be an expanded tensor (a sum's ones), absent (an unused output), or
+    # a slice of a larger gradient whose size-1 dimensions keep that gradient's strides.
+    dout = torch.zeros_like(x) if dout is None else with_canonical_strides(dout)
+    dfinal = with_canonical_strides(dfinal)
     poison = forward_module.POISON_OUTPUTS
 
     y = dt_out = dA_cumsum = entry = None

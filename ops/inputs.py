@@ -67,6 +67,18 @@ def as_kernel_input(t):
         return None
     if not _readable_in_place(t):
         t = t.contiguous()
+    return with_canonical_strides(t)
+
+
+def with_canonical_strides(t):
+    """``t`` itself, or where a size-1 dimension's stride differs from its canonical one, a view
+    of the same elements with canonical strides there (``_canonical_strides``; never a copy).
+    For tensors that reach the kernels as they are, not through ``as_kernel_input``: the
+    backward's ``dout`` is, in a call made in pieces (``ops.ssd_combined``), a batch-1 slice of
+    the whole output's gradient, with that gradient's stride(0) (2**33 at 1M tokens), which a
+    launch would refuse."""
+    if t is None:
+        return None
     strides = _canonical_strides(t)
     return t if t.stride() == strides else t.as_strided(t.shape, strides)
 

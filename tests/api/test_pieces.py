@@ -122,14 +122,9 @@ def test_sequence_ids_keep_a_call_whole(monkeypatch):
     assert out.shape == kw["x"].shape and torch.isfinite(out).all()
 
 
-@pytest.mark.gpu
-def test_a_call_past_two_to_the_31_elements_on_the_gpu():
-    """On the GPU at the real limit: 1 x (2**19 + 4096) tokens x 80 heads of 64 (bf16, dstate
-    16), so x has more than 2**31 elements and the call runs in segments, 32-bit indexed. Its
-    output and final state against the same kernels run whole (``kernel_forward``, 64-bit
-    indexed): bf16's bound, 1e-2 (the whole run stores the entry state at a segment boundary
-    in bf16, the pieces hand it over in float32)."""
-    from ops.forward import kernel_forward
+def _past_the_limit_on_the_gpu(requires_grad=False):
+    """1 x (2**19 + 4096) tokens x 80 heads of 64 (bf16, dstate 16): x has more than 2**31
+    elements, so the call runs in segments, 32-bit indexed."""
     torch.manual_seed(0)
     b, L, h, p, n = 1, (1 << 19) + 4096, 80, 64, 16
     assert b * L * h * p > 2**31
@@ -139,7 +134,38 @@ def test_a_call_past_two_to_the_31_elements_on_the_gpu():
     B, C = (torch.randn(b, L, 1, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     D = torch.randn(h, device="cuda")
     assert api._pieces(x, dt, B, C, None, 256) is not None
+    return [t.requires_grad_(requires_grad) for t in (x, dt, A, B, C, D)]
+
+
+@pytest.mark.gpu
+def test_a_call_past_two_to_the_31_elements_on_the_gpu():
+    """On the GPU at the real limit: the pieces' output and final state against the same kernels
+    run whole (``kernel_forward``, 64-bit indexed): bf16's bound, 1e-2 (the whole run stores the
+    entry state at a segment boundary in bf16, the pieces hand it over in float32)."""
+    from ops.forward import kernel_forward
+    x, dt, A, B, C, D = _past_the_limit_on_the_gpu()
     out, final = mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, dt_softplus=True,
                                            return_final_states=True)
     whole, whole_final = kernel_forward(x, dt, A, B, C, 256, D=D, dt_softplus=True)
     assert rel_err(out, whole) < 1e-2 and rel_err(final, whole_final) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gradients_past_two_to_the_31_elements_on_the_gpu():
+    """The same call's gradients, for a random dout (each segment's backward gets a slice of it
+    whose stride(0) is past 32 bits) and dfinal, against the kernels' backward run whole
+    (``kernel_backward``, 64-bit indexed): 2e-2, bf16's bound as above, doubled for the
+    gradients' longer chains of bf16 operands."""
+    from ops.backward import kernel_backward
+    leaves = _past_the_limit_on_the_gpu(requires_grad=True)
+    x, dt, A, B, C, D = leaves
+    out, final = mamba_chunk_scan_combined(x, dt, A, B, C, 256, D=D, dt_softplus=True,
+                                           return_final_states=True)
+    dout, dfinal = torch.randn_like(out), torch.randn_like(final)
+    got = torch.autograd.grad((out, final), leaves, (dout, dfinal))
+    del out, final
+    with torch.no_grad():
+        want = kernel_backward(dout, dfinal, *(t.detach() for t in (x, dt, A, B, C)), 256,
+                               D=D.detach(), dt_softplus=True)
+    for name, g in zip(("dx", "ddt", "dA", "dB", "dC", "dD"), got, strict=True):
+        assert rel_err(g.float(), want[name]) < 2e-2, name

@@ -270,6 +270,39 @@ def test_contiguous_inputs_keep_the_strides_they_had():
     assert as_kernel_input(view).stride() == (element_reach(view), row, 64, 1)
 
 
+def test_gradients_sliced_from_a_larger_one_reach_the_kernels_with_small_strides(launched):
+    """A call made in pieces (``ops.ssd_combined``) gets, in its backward, a batch-1 slice of the
+    whole output's gradient, whose stride(0) is that gradient's (2**33 at 1M tokens): never
+    stepped, but a launch refuses a stride past 32 bits. Every tensor a backward launch receives
+    has its strides within 2**31, and the gradients are those of the same call on fresh
+    tensors, bitwise."""
+    kw = layer_inputs(batch=1, seqlen=80, nheads=4, headdim=16, ngroups=2, dstate=16, D="1d",
+                      dt_bias=True, initial_states=True)
+    leaves = {k: fresh_copies(kw)[k].requires_grad_() for k in ("x", "dt", "B", "C", "D",
+                                                               "dt_bias", "initial_states")}
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(kw["x"].shape, generator=g)
+    dfinal = torch.randn(kw["initial_states"].shape, generator=g)
+    odd = lambda t: t.as_strided(t.shape, (2**33,) + t.stride()[1:])       # batch 1: not stepped
+    grads = []
+    for make in (lambda t: t, odd):
+        out, final = mamba_chunk_scan_combined(**{**kw, **leaves}, chunk_size=32,
+                                               dt_softplus=True, return_final_states=True,
+                                               backend="interpret")
+        launched.clear()
+        torch.autograd.backward((out, final), (make(dout.clone()), make(dfinal.clone())))
+        grads.append({k: v.grad for k, v in leaves.items()})
+        for v in leaves.values():
+            v.grad = None
+    assert launched, "the backward launched no kernel"
+    for name, args in launched:
+        for param, arg in args.items():
+            if isinstance(arg, torch.Tensor):
+                assert max(arg.stride(), default=0) < INT32_LIMIT, (name, param, arg.stride())
+    for k in leaves:
+        assert torch.equal(grads[0][k], grads[1][k]), k
+
+
 def test_kernel_variants_read_views_in_place(launched):
     """Configs whose loads differ (heads per block, transposed products, C B^T from memory,
     persistent blocks, two chunks per iteration, 64-bit indices) on views and on copies."""
