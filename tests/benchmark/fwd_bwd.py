@@ -325,11 +325,20 @@ def resumed(path, shapes, impls, chunks, tilegym_chunk, graph):
     return kept, [(name, shape) for name, shape in shapes if name not in done]
 
 
+def model_names(models, grid):
+    """The model shapes a run measures: ``--models`` with names, those; ``--models`` alone, every
+    one; no ``--models``, every one, or none when ``--grid`` is given (the grid alone)."""
+    from tests.benchmark.models import MODELS
+    if models is None:
+        return [] if grid else sorted(MODELS)
+    return list(models) or sorted(MODELS)
+
+
 def main(argv=None):
     from tests.benchmark.models import MODELS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS),
-                        help="model shapes (default: all; none with --grid alone)")
+                        help="model shapes (none named: all; left out: all, or none with --grid)")
     parser.add_argument("--grid", action="store_true", help="also the L x dstate grid")
     parser.add_argument("--grid-seqlens", help="only these of the grid's seqlens, e.g. 4096,16384")
     parser.add_argument("--grid-dstates", help="only these of the grid's dstates, e.g. 64,128")
@@ -366,7 +375,7 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown implementations {sorted(unknown)}; known: {', '.join(IMPLS)}")
     chunks = [int(c) for c in args.chunks.split(",")]
-    names = args.models if args.models is not None else ([] if args.grid else sorted(MODELS))
+    names = model_names(args.models, args.grid)
     shapes = [(n, {k: MODELS[n][k] for k in ("batch", "seqlen", "nheads", "headdim", "ngroups",
                                              "dstate")}) for n in names]
     if args.grid:

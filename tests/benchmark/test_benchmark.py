@@ -781,6 +781,15 @@ def test_config_sweep_checks_its_arguments(capsys):
         assert expected in capsys.readouterr().err, argv
 
 
+def test_fwd_bwd_models_alone_means_every_model():
+    from tests.benchmark import fwd_bwd
+    from tests.benchmark.models import MODELS
+    assert fwd_bwd.model_names([], grid=True) == sorted(MODELS)       # --models --grid
+    assert fwd_bwd.model_names(None, grid=True) == []                 # --grid alone
+    assert fwd_bwd.model_names(None, grid=False) == sorted(MODELS)
+    assert fwd_bwd.model_names(["8b-hybrid-layer"], grid=True) == ["8b-hybrid-layer"]
+
+
 def test_fwd_bwd_replots_a_run_without_a_gpu(tmp_path):
     """fwd_bwd --replot draws --plot from an earlier run's CSV: each implementation's eager
     speedup and, where the run timed CUDA-graph replays, Triton's graphed time over its own
