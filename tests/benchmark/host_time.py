@@ -15,7 +15,9 @@ waited for, except where said):
   * the parts of an eager call: the entry point's checks, the custom op's dispatch, and
     ``kernel_forward`` alone;
   * a training step (forward and backward) taped (``ops/runtime/tape.py``), with the tape off,
-    and replayed from a CUDA graph (``training_step_rows``).
+    and replayed from a CUDA graph (``training_step_rows``); and where the taped step's host
+    time goes, under torch.profiler (``host_breakdown``: each operator's, each launch's, the
+    replay keys', the tapes' own Python and autograd's, per step).
 """
 import argparse
 import statistics
@@ -131,8 +133,14 @@ def training_step_rows(kw, chunk_size, profile=False):
                                         backend="cutile")
         out.backward(dout)
     rows = {"training step (taped)": per_call(step, calls=20)}
+    parts, profiled = host_breakdown(step)
+    rows["training step (taped), profiled"] = profiled
+    for name, seconds, count in parts[:BREAKDOWN_ROWS]:
+        rows[f"  in it: {name} ({count:g} per step)"] = seconds
     taped = ops.torch_op.taped
-    ops.torch_op.taped = lambda key, stamp, fn, inputs: fn(*inputs)
+    # (key None: run, not recorded or replayed)
+    ops.torch_op.taped = lambda key, stamp, fn, inputs, owned=False: taped(None, stamp, fn, inputs,
+                                                                            owned)
     try:
         rows["training step, not taped"] = per_call(step, calls=20)
     finally:
@@ -142,6 +150,69 @@ def training_step_rows(kw, chunk_size, profile=False):
     if profile:
         print_profile(step, 100)
     return rows
+
+
+# The project's own parts of a step, marked for host_breakdown: (module, attribute, label). The
+# two launch functions are the taped replay's (on a GPU) and every other launch's.
+MARKED = [("ops.torch_op", "replay_key", "replay keys"),
+          ("ops.ssd_combined", "_check_inputs", "entry checks"),
+          ("ops.runtime.tape", "launch_on", "kernel launches"),
+          ("ops.runtime.launch", "launch", "kernel launches"),
+          ("ops.runtime.tape", "Tape.run", "tape replays (their own Python)")]
+# The range around each call: its own time is what no operator or marked part took (the Python
+# between them, and the profiler's own cost).
+STEP_RANGE = "the rest: Python between the parts, and the profiler's"
+BREAKDOWN_ROWS = 14
+
+
+def host_breakdown(step, calls=50, warmup=10):
+    """Where ``step``'s host time goes (a taped training step's): ``calls`` calls under
+    torch.profiler, CPU activity only. Each PyTorch operator's and autograd node's own time (not
+    its callees') and count, per call, and the same for ranges marked around the project's own
+    parts (``MARKED``: a tape replay's own time is then its loop's Python, its operators and
+    launches counted apart), and the rest (``STEP_RANGE``). -> ([(name, seconds per call, count per call)], the longest first;
+    the profiled call's seconds, the profiler's own cost included: read the parts as shares of
+    it, and the unprofiled time beside it)."""
+    import importlib
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def marked(fn, label):
+        def wrapper(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    originals = []
+    for module_name, attribute, label in MARKED:
+        owner = importlib.import_module(module_name)
+        *path, name = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, marked(getattr(owner, name), label))
+    try:
+        for _ in range(warmup):
+            step()
+        _synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(calls):
+                with record_function(STEP_RANGE):
+                    step()
+            _synchronize()
+            seconds = (time.perf_counter() - start) / calls
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+    parts = [(e.key, e.self_cpu_time_total / 1e6 / calls, e.count / calls)
+             for e in prof.key_averages()]
+    return sorted(parts, key=lambda p: -p[1]), seconds
+
+
+def _synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def print_profile(fn, calls):

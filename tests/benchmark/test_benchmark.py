@@ -781,6 +781,56 @@ def test_config_sweep_checks_its_arguments(capsys):
         assert expected in capsys.readouterr().err, argv
 
 
+def test_host_breakdown_counts_a_taped_steps_parts(monkeypatch):
+    """host_time.host_breakdown on the CPU: a small taped training step (the interpreter's launches
+    stubbed out, whose torch ops would be the interpreter's, not the step's) is counted per step as
+    its two tapes recorded it -- each launch, each allocation, each sum -- with one replay key per
+    pass, and the functions it marks are the originals again afterwards."""
+    import importlib
+    from collections import Counter
+
+    import torch
+
+    from ops import interpreter, mamba_chunk_scan_combined
+    from ops.runtime import tape
+    from reference.problems import make_problem
+    from tests.benchmark import host_time
+    monkeypatch.setattr(interpreter, "launch", lambda grid, kernel, args: None)
+    monkeypatch.setattr(tape, "_TAPES", {})
+    p = make_problem(batch=1, seqlen=128, nheads=4, headdim=16, ngroups=1, dstate=16, D="1d",
+                     z=False, initial_states=False, dtype=torch.bfloat16, seed=1)
+    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in p.items()}
+    dout = torch.randn_like(p["x"])
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        mamba_chunk_scan_combined(**leaves, chunk_size=32, dt_softplus=True,
+                                  backend="interpret").backward(dout)
+
+    def marked_functions():
+        found = []
+        for module_name, attribute, _ in host_time.MARKED:
+            owner = importlib.import_module(module_name)
+            for part in attribute.split("."):
+                owner = getattr(owner, part)
+            found.append(owner)
+        return found
+    before = marked_functions()
+    parts, seconds = host_time.host_breakdown(step, calls=3, warmup=2)
+    assert marked_functions() == before
+    count = {name: c for name, _, c in parts}
+    recorded = Counter("launch" if s[0] == tape._LAUNCH else str(s[1])
+                       for t in tape._TAPES.values() for s in t.steps)
+    assert len(tape._TAPES) == 2 and recorded["launch"] == 8
+    assert count["tape replays (their own Python)"] == 2 and count["replay keys"] == 2
+    assert count["kernel launches"] == recorded["launch"]
+    assert count["aten::empty"] == recorded["aten.empty.memory_format"]
+    assert count["aten::sum"] == recorded["aten.sum.dim_IntList"]
+    assert count[host_time.STEP_RANGE] == 1
+    assert seconds > 0 and sum(s for _, s, _ in parts) <= seconds * 1.01
+
+
 def test_fwd_bwd_models_alone_means_every_model():
     from tests.benchmark import fwd_bwd
     from tests.benchmark.models import MODELS
