@@ -75,8 +75,8 @@ def with_canonical_strides(t):
     of the same elements with canonical strides there (``_canonical_strides``; never a copy).
     For tensors that reach the kernels as they are, not through ``as_kernel_input``: the
     backward's ``dout`` is, in a call made in pieces (``ops.ssd_combined``), a batch-1 slice of
-    the whole output's gradient, with that gradient's stride(0) (2**33 at 1M tokens), which a
-    launch would refuse."""
+    the whole output's gradient, with that gradient's stride(0) (past 2**32 at 1M tokens of 80
+    heads of 64), which a launch would refuse."""
     if t is None:
         return None
     strides = _canonical_strides(t)

@@ -272,10 +272,10 @@ def test_contiguous_inputs_keep_the_strides_they_had():
 
 def test_gradients_sliced_from_a_larger_one_reach_the_kernels_with_small_strides(launched):
     """A call made in pieces (``ops.ssd_combined``) gets, in its backward, a batch-1 slice of the
-    whole output's gradient, whose stride(0) is that gradient's (2**33 at 1M tokens): never
-    stepped, but a launch refuses a stride past 32 bits. Every tensor a backward launch receives
-    has its strides within 2**31, and the gradients are those of the same call on fresh
-    tensors, bitwise."""
+    whole output's gradient, whose stride(0) is that gradient's (past 2**32 at 1M tokens of 80
+    heads of 64): never stepped, but a launch refuses a stride past 32 bits. Every tensor a
+    backward launch receives has its strides within 2**31, and the gradients are those of the
+    same call on fresh tensors, bitwise (the two calls differ only in strides never stepped)."""
     kw = layer_inputs(batch=1, seqlen=80, nheads=4, headdim=16, ngroups=2, dstate=16, D="1d",
                       dt_bias=True, initial_states=True)
     leaves = {k: fresh_copies(kw)[k].requires_grad_() for k in ("x", "dt", "B", "C", "D",

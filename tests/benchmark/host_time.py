@@ -104,14 +104,17 @@ def main(argv=None):
         if args.profile:
             print_profile(call, 500)
     rows.update(training_step_rows(kw, q, profile=args.profile))
-    for name, seconds in rows.items():
-        print(f"{name:40s} {seconds * 1e3:8.4f} ms")
+    # a value: seconds per call, or (seconds, times per step) for a part of a step
+    timed = {name: v if isinstance(v, tuple) else (v, "") for name, v in rows.items()}
+    for name, (seconds, count) in timed.items():
+        print(f"{name:60s} {seconds * 1e3:8.4f} ms" + (f"  ({count:g} per step)" if count else ""))
     print(f"eager / graph replay: {rows['eager call'] / rows['graph replay']:.1f}x")
     if args.out:
         from ops.results.report import write_csv
         device = torch.cuda.get_device_name()
-        write_csv(args.out, [dict(shape=args.shape, what=name, ms=seconds * 1e3, device=device,
-                                  torch=torch.__version__) for name, seconds in rows.items()])
+        write_csv(args.out, [dict(shape=args.shape, what=name, ms=seconds * 1e3, per_step=count,
+                                  device=device, torch=torch.__version__)
+                             for name, (seconds, count) in timed.items()])
 
 
 def training_step_rows(kw, chunk_size, profile=False):
@@ -136,7 +139,7 @@ def training_step_rows(kw, chunk_size, profile=False):
     parts, profiled = host_breakdown(step)
     rows["training step (taped), profiled"] = profiled
     for name, seconds, count in parts[:BREAKDOWN_ROWS]:
-        rows[f"  in it: {name} ({count:g} per step)"] = seconds
+        rows[f"  in it: {name}"] = (seconds, count)
     taped = ops.torch_op.taped
     # (key None: run, not recorded or replayed)
     ops.torch_op.taped = lambda key, stamp, fn, inputs, owned=False: taped(None, stamp, fn, inputs,
@@ -170,7 +173,9 @@ def host_breakdown(step, calls=50, warmup=10):
     torch.profiler, CPU activity only. Each PyTorch operator's and autograd node's own time (not
     its callees') and count, per call, and the same for ranges marked around the project's own
     parts (``MARKED``: a tape replay's own time is then its loop's Python, its operators and
-    launches counted apart), and the rest (``STEP_RANGE``). -> ([(name, seconds per call, count per call)], the longest first;
+    launches counted apart), and the rest (``STEP_RANGE``). The backward runs on the calling
+    thread meanwhile (on a GPU autograd's device thread would run it, the caller waiting): the
+    handoff between threads is then not in the parts, the unprofiled step's time has it. -> ([(name, seconds per call, count per call)], the longest first;
     the profiled call's seconds, the profiler's own cost included: read the parts as shares of
     it, and the unprofiled time beside it)."""
     import importlib
@@ -184,24 +189,28 @@ def host_breakdown(step, calls=50, warmup=10):
         return wrapper
 
     originals = []
-    for module_name, attribute, label in MARKED:
-        owner = importlib.import_module(module_name)
-        *path, name = attribute.split(".")
-        for part in path:
-            owner = getattr(owner, part)
-        originals.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, marked(getattr(owner, name), label))
     try:
-        for _ in range(warmup):
-            step()
-        _synchronize()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            for _ in range(calls):
-                with record_function(STEP_RANGE):
-                    step()
+        for module_name, attribute, label in MARKED:
+            owner = importlib.import_module(module_name)
+            *path, name = attribute.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            originals.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, marked(getattr(owner, name), label))
+        # the backward on the calling thread, as autograd runs a CPU backward: on a GPU it runs
+        # on autograd's device thread while the caller waits, and the caller's ranges would
+        # count that wait besides the backward's own parts
+        with torch.autograd.set_multithreading_enabled(False):
+            for _ in range(warmup):
+                step()
             _synchronize()
-            seconds = (time.perf_counter() - start) / calls
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    with record_function(STEP_RANGE):
+                        step()
+                _synchronize()
+                seconds = (time.perf_counter() - start) / calls
     finally:
         for owner, name, original in reversed(originals):
             setattr(owner, name, original)
