@@ -174,14 +174,23 @@ def _elements_per_token(x, dt, B, C, z, low):
     inputs as laid out (a view's stride along the sequence: what indexing it reaches,
     ``ops.runtime.launch.element_reach``), x-sized outputs and gradients, B and C, the chunks'
     entry states and their gradient (h p n / chunk per token, at chunk ``low`` or more), and
-    C B^T per chunk and group (g x chunk per token, chunk 256 at most). Not bounded: the
-    backward's head-split partials (a few per group), which in shapes with as many groups as
-    heads may still take a piece's backward kernel to 64-bit indexing (slower, as exact)."""
+    per group C B^T (chunk per token, 256 at most) and the backward's partials of dB, dC and
+    d(C B^T), one per split of a group's heads (at most ``_max_splits()`` by default: a config
+    that splits a group's heads further may still take a piece's backward to 64-bit indexing,
+    slower, as exact)."""
     _, _, nheads, headdim = x.shape
     ngroups, dstate = B.shape[2], B.shape[3]
+    splits = min(_max_splits(), max(1, nheads // ngroups))
     strides = [t.stride(1) for t in (x, dt, B, C, z) if t is not None and t.shape[1] > 1]
-    return max(nheads * headdim * max(1, -(-dstate // low)), ngroups * max(dstate, 256),
-               *strides)
+    return max(nheads * headdim * max(1, -(-dstate // low)),
+               splits * ngroups * max(dstate, 256), *strides)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_splits():
+    # (the backward's kernels, imported at the first call that needs them)
+    from ops.kernels.backward.bwd_compute_out import MAX_SPLITS
+    return MAX_SPLITS
 
 
 def _pieces(x, dt, B, C, z, chunk_size):

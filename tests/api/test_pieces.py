@@ -54,7 +54,8 @@ def test_what_bounds_a_piece():
     states (1000 tokens at chunk 64 are 16 chunks: 500 rows go 409 at a time, not 419); an
     input passed as a view reaches as far as its stride along the sequence (dt as the mixer
     cuts it from the input projection: 10576 elements a token, twice x's); B and C with as many
-    groups as heads, and C B^T per chunk and group."""
+    groups as heads; C B^T per chunk and group, and the backward's partials per split of a
+    group's heads."""
     rows, _ = pieces(500, 1000, 80, 64, 1, 64, 64)
     assert rows * 1024 * 80 * 64 < 2**31 and rows == 409
     _, plain = pieces(1, 1 << 20, 80, 64, 1, 128, 256)
@@ -63,6 +64,10 @@ def test_what_bounds_a_piece():
     assert viewed * 10576 < 2**31 < plain * 10576
     _, grouped = pieces(1, 1 << 20, 64, 8, 64, 256, 256)                    # B: 16384 a token
     assert grouped * 64 * 256 < 2**31
+    # 80 heads in 20 groups: the backward's partials, four head splits of each group's
+    # (g x max(n, chunk)) a token, reach four times what B does
+    _, split = pieces(1, 1 << 20, 80, 64, 20, 128, 256)
+    assert split * 4 * 20 * 256 < 2**31 and split <= 2**31 // (80 * 64) // 4
 
 
 def _call(kw, grad):
@@ -86,15 +91,16 @@ def _call(kw, grad):
     (3, 200, (2, 200), [(2, 200), (1, 200)]),          # whole rows, pieces of two and one
 ], ids=["segments", "rows-in-segments", "rows"])
 def test_pieces_give_the_whole_calls_result(monkeypatch, grad, batch, seqlen, expect, calls):
-    """The limit lowered to 3 x 2**16: C B^T's room, 256 a token here, makes a row of 700
-    tokens (768 in whole chunks of 256) too long and one of 200 (256) fit three times."""
+    """The limit lowered to 3 x 2**17: the backward's partials of d(C B^T), two head splits of
+    256 a token here, make a row of 700 tokens (768 in whole chunks of 256) too long and one of
+    200 (256) fit three times."""
     kw = make_problem(batch=batch, seqlen=seqlen, nheads=2, headdim=8, ngroups=1, dstate=16,
                       dtype=torch.float32, seed=4)
     whole = _call(kw, grad)
     from ops.runtime import replay, tape
     monkeypatch.setattr(replay, "_REPLAYS", {})      # (a replay keys on the shapes, not the limit)
     monkeypatch.setattr(tape, "_TAPES", {})
-    monkeypatch.setattr(api, "PIECE_LIMIT", 3 * 2**16)
+    monkeypatch.setattr(api, "PIECE_LIMIT", 3 * 2**17)
     assert api._pieces(kw["x"], kw["dt"], kw["B"], kw["C"], kw["z"], 32) == expect
     made, inner = [], api.mamba_chunk_scan_combined
 
