@@ -175,11 +175,10 @@ def host_breakdown(step, calls=50, warmup=10):
     parts (``MARKED``: a tape replay's own time is then its loop's Python, its operators and
     launches counted apart), and the rest (``STEP_RANGE``). The backward runs on the calling
     thread meanwhile (on a GPU autograd's device thread would run it, the caller waiting): the
-    handoff between threads is then not in the parts, the unprofiled step's time has it. -> ([(name, seconds per call, count per call)], the longest first;
-    the profiled call's seconds, the profiler's own cost included: read the parts as shares of
-    it, and the unprofiled time beside it)."""
-    import importlib
-
+    handoff between threads is then not in the parts, the unprofiled step's time has it.
+    -> ([(name, seconds per call, count per call)], the longest first; the profiled call's
+    seconds, the profiler's own cost included: read the parts as shares of it, and the
+    unprofiled time beside it)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def marked(fn, label):
@@ -191,10 +190,7 @@ def host_breakdown(step, calls=50, warmup=10):
     originals = []
     try:
         for module_name, attribute, label in MARKED:
-            owner = importlib.import_module(module_name)
-            *path, name = attribute.split(".")
-            for part in path:
-                owner = getattr(owner, part)
+            owner, name = marked_place(module_name, attribute)
             originals.append((owner, name, getattr(owner, name)))
             setattr(owner, name, marked(getattr(owner, name), label))
         # the backward on the calling thread, as autograd runs a CPU backward: on a GPU it runs
@@ -217,6 +213,17 @@ def host_breakdown(step, calls=50, warmup=10):
     parts = [(e.key, e.self_cpu_time_total / 1e6 / calls, e.count / calls)
              for e in prof.key_averages()]
     return sorted(parts, key=lambda p: -p[1]), seconds
+
+
+def marked_place(module_name, attribute):
+    """(the object holding ``attribute``, its last name) for a ``MARKED`` entry: the module
+    itself, or a class in it for a dotted attribute ("Tape.run")."""
+    import importlib
+    owner = importlib.import_module(module_name)
+    *path, name = attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
 
 
 def _synchronize():

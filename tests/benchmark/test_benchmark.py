@@ -786,7 +786,6 @@ def test_host_breakdown_counts_a_taped_steps_parts(monkeypatch):
     stubbed out, whose torch ops would be the interpreter's, not the step's) is counted per step as
     its two tapes recorded it -- each launch, each allocation, each sum -- with one replay key per
     pass, and the functions it marks are the originals again afterwards."""
-    import importlib
     from collections import Counter
 
     import torch
@@ -809,13 +808,8 @@ def test_host_breakdown_counts_a_taped_steps_parts(monkeypatch):
                                   backend="interpret").backward(dout)
 
     def marked_functions():
-        found = []
-        for module_name, attribute, _ in host_time.MARKED:
-            owner = importlib.import_module(module_name)
-            for part in attribute.split("."):
-                owner = getattr(owner, part)
-            found.append(owner)
-        return found
+        return [getattr(*host_time.marked_place(module_name, attribute))
+                for module_name, attribute, _ in host_time.MARKED]
     before = marked_functions()
     parts, seconds = host_time.host_breakdown(step, calls=3, warmup=2)
     assert marked_functions() == before
