@@ -22,7 +22,7 @@ INT_COLUMNS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chu
 FLOAT_COLUMNS = {"ms", "tflops", "gbps", "roofline_ms", "roofline_fraction", "rel_err", "peak_mem_mb",
                  "first_call_s", "task_s", "peak_tflops", "peak_gbps", "warmup_ms", "rep_ms",
                  # fwd_bwd.py's
-                 "fwd_bwd_ms", "fwd_ms", "graph_ms", "first_s", "peak_mib", "speedup"}
+                 "fwd_bwd_ms", "fwd_ms", "graph_ms", "bare_ms", "first_s", "peak_mib", "speedup"}
 BOOL_COLUMNS = {"finite", "best_chunk"}
 
 

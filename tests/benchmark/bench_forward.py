@@ -15,8 +15,10 @@ Implementations (``--impls``; one that is not installed is recorded as such and 
     cutile_default  the same kernels at their default configs (autotuning switched off for the
                call): tuned against untuned, side by side
     tilegym    NVIDIA TileGym's cuTile ``mamba2_chunk_forward``; it takes the processed dt
-               (softplus(dt + dt_bias)), A, D and an initial state (zeros: the same as none), and
-               needs L % chunk == 0 (other points are recorded as skipped)
+               (softplus(dt + dt_bias), made in PyTorch within the timed call, as a model calling
+               it must: the other two fuse that step), A, D and an initial state (zeros: the same
+               as none, made once), and needs L % chunk == 0 (other points are recorded as
+               skipped)
     reference  this project's chunked PyTorch reference
     interpret  this project's kernels in the CPU tile interpreter (``--device cpu``)
 Every implementation gets the same call of a Mamba-2 layer -- x, dt, A, B, C, D, dt_bias,
@@ -188,11 +190,13 @@ def build(impl, inp, chunk):
         import torch
         from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
         from reference.common import process_dt
-        dt = process_dt(inp["dt"], inp["dt_bias"], dt_softplus=True).float().contiguous()
         b, _, h, p = inp["x"].shape
         h0 = torch.zeros(b, h, p, inp["B"].shape[-1], device=inp["x"].device, dtype=torch.float32)
-        return lambda: mamba2_chunk_forward(inp["x"], inp["A"], inp["B"], inp["C"], inp["D"], dt, h0,
-                                            chunk_size=chunk)
+        # the layer's dt processed in the call, as a model calling TileGym must (the others fuse it)
+        return lambda: mamba2_chunk_forward(
+            inp["x"], inp["A"], inp["B"], inp["C"], inp["D"],
+            process_dt(inp["dt"], inp["dt_bias"], dt_softplus=True).float().contiguous(), h0,
+            chunk_size=chunk)
     if impl == "_crash":
         return _crash_impl(inp, chunk)
     raise ValueError(f"unknown implementation {impl!r} (known: {', '.join(IMPLS)})")

@@ -15,10 +15,12 @@ implementation:
 
     triton    mamba_ssm's ``mamba_chunk_scan_combined`` (autograd), chunk 256
     cutile    this project's (autograd through ``ops/backward.py``), at each of ``--chunks``
-    tilegym   TileGym's ``mamba2_chunk_forward`` then ``mamba2_chunk_backward`` (functional; it
-              has no dt_bias or softplus, so it is given the processed dt, and its step leaves
-              out that elementwise part), at ``--tilegym-chunk``; only where the sequence length
-              is a multiple of its chunk
+    tilegym   TileGym's ``mamba2_chunk_forward`` and ``mamba2_chunk_backward`` at
+              ``--tilegym-chunk`` (only where the sequence length is a multiple of it), in the
+              autograd node a model training through them needs (``TileGymScan``: TileGym ships
+              the two functions, no wrapper), with dt's bias and softplus done in PyTorch before
+              it (its kernels take the processed step; the others fuse that part): the same
+              step, leaves and gradients as the others'
 
 Per implementation and chunk (the caller's, as a model passes it):
     fwd_chunk, bwd_chunk  the chunks the forward and the backward computed with: the caller's,
@@ -26,7 +28,10 @@ Per implementation and chunk (the caller's, as a model passes it):
                  (MAMBA2_CUTILE_COMPUTE_CHUNK=caller: the caller's)
     fwd_bwd_ms   median of ``triton.testing.do_bench`` of one step: the forward with x, dt, A, B,
                  C, D and dt_bias requiring gradients, then ``out.backward(dout)``
-    fwd_ms       the forward alone, without gradients
+    fwd_ms       the forward alone, without gradients (TileGym's: dt processed, then its forward)
+    bare_ms      TileGym's two functions alone, back to back, on a dt processed once: no
+                 autograd, no dt work, no gradients of dt and dt_bias -- its kernels and their
+                 Python without the training step around them (NaN for the others)
     graph_ms     with ``--graph``: the same step captured once in a CUDA graph and replayed
                  (median of ``do_bench``), i.e. the GPU's time without the host's between
                  launches; NaN where the capture fails (its error is printed)
@@ -34,8 +39,7 @@ Per implementation and chunk (the caller's, as a model passes it):
                  processes compiled it, so mostly the disk cache's load)
     peak_mib     memory allocated during one step beyond what was allocated before it
     speedup      Triton's fwd_bwd_ms / this one's (NaN where Triton did not run)
-    grad_diff_*  each gradient's relative difference (in norm) from Triton's (TileGym's dt and
-                 dt_bias gradients are of another quantity, the processed dt: not compared)
+    grad_diff_*  each gradient's relative difference (in norm) from Triton's
 
 ``--resume CSV`` takes an earlier run's rows of the shapes it measured whole (every
 implementation and chunk of this run) and runs only the others, so that a run longer than one
@@ -104,32 +108,71 @@ def _autograd_step(impl, chunk, leaves, dout):
 
     def grads():
         return {k: leaves[k].grad.float().clone() for k in LEAVES}
-    return step, forward, grads
+    return step, forward, grads, None
 
 
-def _tilegym_step(chunk, leaves, dout):
-    from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward, mamba2_chunk_forward
+class TileGymScan(torch.autograd.Function):
+    """TileGym's functional ``mamba2_chunk_forward`` and ``mamba2_chunk_backward`` as one
+    autograd node: TileGym ships the two functions and no autograd wrapper, so a model training
+    through them needs this much. ``apply(x, dt, A, B, C, D, chunk, h0, dfinal, kernels)``:
+    ``dt`` already processed (its bias added, softplus), ``h0`` and ``dfinal`` zero states
+    (TileGym takes an initial state and a final state's gradient, always), ``kernels`` the
+    (forward, backward) pair. Gradients for x, dt, A, B, C, D."""
 
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, chunk, h0, dfinal, kernels):
+        out, _ = kernels[0](x, A, B, C, D, dt, h0, chunk_size=chunk)
+        ctx.save_for_backward(x, dt, A, B, C, D)
+        ctx.chunk, ctx.h0, ctx.dfinal, ctx.kernels = chunk, h0, dfinal, kernels
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, dt, A, B, C, D = ctx.saved_tensors
+        dx, dA, dB, dC, dD, ddt, _ = ctx.kernels[1](x, A, B, C, D, dt, ctx.h0, dout.contiguous(),
+                                                    ctx.dfinal, chunk_size=ctx.chunk)
+        return dx, ddt, dA, dB, dC, dD, None, None, None, None
+
+
+def _tilegym_step(chunk, leaves, dout, kernels=None):
+    """TileGym's training step: ``dt`` processed in PyTorch (its bias, softplus: TileGym's
+    kernels take the processed step, mamba_ssm's and this project's fuse it), then
+    ``TileGymScan`` and ``out.backward(dout)``, every leaf getting its gradient, as the other
+    implementations' steps. Besides: ``bare``, its two functions alone on a ``dt`` processed
+    once (no autograd, no dt work, no gradients of dt and dt_bias): what its kernels and their
+    Python cost without the training step around them. ``kernels``: the (forward, backward)
+    pair, TileGym's by default."""
+    if kernels is None:
+        from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward, mamba2_chunk_forward
+        kernels = (mamba2_chunk_forward, mamba2_chunk_backward)
     from reference.common import process_dt
-    x, A, B, C, D = (leaves[k].detach() for k in ("x", "A", "B", "C", "D"))
-    dt = process_dt(leaves["dt"].detach(), leaves["dt_bias"].detach(),
-                    dt_softplus=True).float().contiguous()
+    x, A, B, C, D = (leaves[k] for k in ("x", "A", "B", "C", "D"))
     b, _, h, p = x.shape
     h0 = torch.zeros(b, h, p, B.shape[-1], device=x.device, dtype=torch.float32)
     dfinal = torch.zeros_like(h0)
-    result = {}
+    processed = lambda: process_dt(leaves["dt"], leaves["dt_bias"], dt_softplus=True).float()
 
     def step():
-        mamba2_chunk_forward(x, A, B, C, D, dt, h0, chunk_size=chunk)
-        result["g"] = mamba2_chunk_backward(x, A, B, C, D, dt, h0, dout, dfinal, chunk_size=chunk)
+        for t in leaves.values():
+            t.grad = None
+        out = TileGymScan.apply(x, processed(), A, B, C, D, chunk, h0, dfinal, kernels)
+        out.backward(dout)
 
     def forward():
-        return mamba2_chunk_forward(x, A, B, C, D, dt, h0, chunk_size=chunk)[0]
+        with torch.no_grad():
+            return kernels[0](x, A, B, C, D, processed(), h0, chunk_size=chunk)[0]
 
     def grads():
-        dx, dA, dB, dC, dD = result["g"][:5]
-        return dict(x=dx.float(), A=dA.float(), B=dB.float(), C=dC.float(), D=dD.float())
-    return step, forward, grads
+        return {k: leaves[k].grad.float().clone() for k in LEAVES}
+
+    with torch.no_grad():
+        bare_inputs = [t.detach() for t in (x, A, B, C, D)] + [processed()]
+
+    def bare():
+        xb, Ab, Bb, Cb, Db, dtb = bare_inputs
+        kernels[0](xb, Ab, Bb, Cb, Db, dtb, h0, chunk_size=chunk)
+        kernels[1](xb, Ab, Bb, Cb, Db, dtb, h0, dout, dfinal, chunk_size=chunk)
+    return step, forward, grads, bare
 
 
 def _setup(shape):
@@ -163,9 +206,9 @@ def measure(impl, chunk, inputs, dout, timed=True, graph=False):
     from triton.testing import do_bench
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
     if impl == "tilegym":
-        step, forward, grads = _tilegym_step(chunk, leaves, dout)
+        step, forward, grads, bare = _tilegym_step(chunk, leaves, dout)
     else:
-        step, forward, grads = _autograd_step(impl, chunk, leaves, dout)
+        step, forward, grads, bare = _autograd_step(impl, chunk, leaves, dout)
     start = time.perf_counter()
     step()
     torch.cuda.synchronize()
@@ -183,7 +226,8 @@ def measure(impl, chunk, inputs, dout, timed=True, graph=False):
     fwd_bwd = do_bench(step, warmup=50, rep=300)
     fwd = do_bench(forward, warmup=50, rep=200)
     row = dict(impl=impl, chunk=chunk, **computed_chunks(impl, chunk, inputs),
-               fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first, peak_mib=peak)
+               fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first, peak_mib=peak,
+               bare_ms=do_bench(bare, warmup=50, rep=300) if bare else float("nan"))
     if graph:                           # last: the captured step keeps its own memory
         row["graph_ms"] = _graph_ms(step)
     return row, g
@@ -259,6 +303,10 @@ def grad_diff(grad, ref):
     return ((grad - ref).norm() / ref.norm()).item()
 
 
+def bare_timed(row):
+    return row.get("bare_ms") == row.get("bare_ms") and row.get("bare_ms") is not None
+
+
 def shape_text(s):
     return f"{s['batch']}x{s['seqlen']}x{s['nheads']}h n{s['dstate']} g{s['ngroups']}"
 
@@ -310,9 +358,13 @@ def resumed(path, shapes, impls, chunks, tilegym_chunk, graph):
     run (``_runs``) it holds, and the shapes still to run (a shape measured in part is run again
     whole, its earlier rows dropped, so that its implementations stay side by side in one
     process). Its rows of other shapes are kept too. Refused if it was made with and without
-    ``--graph`` the other way (the columns would differ)."""
+    ``--graph`` the other way (the columns would differ), or before TileGym's rows were a
+    training step (no ``bare_ms``)."""
     from ops.results.report import load
     earlier = load(path)
+    if earlier and "bare_ms" not in earlier[0]:
+        raise SystemExit(f"--resume {path}: made before TileGym's step was a training step "
+                         f"(its rows timed its two functions alone): run every shape again")
     if earlier and ("graph_ms" in earlier[0]) != graph:
         raise SystemExit(f"--resume {path}: made {'with' if not graph else 'without'} --graph, "
                          f"this run {'with' if graph else 'without'}: give both the same")
@@ -422,7 +474,8 @@ def main(argv=None):
                   f"{row['fwd_bwd_ms']:7.3f} ms ({row['speedup']:.2f}x Triton's), fwd {row['fwd_ms']:.3f} ms, first step "
                   f"{row['first_s']:.1f} s, peak +{row['peak_mib']:.0f} MiB, grad diff <= "
                   f"{max(diffs) if diffs else nan:.1e}"
-                  + (f", graphed {row['graph_ms']:.3f} ms" if "graph_ms" in row else ""),
+                  + (f", graphed {row['graph_ms']:.3f} ms" if "graph_ms" in row else "")
+                  + (f", its functions alone {row['bare_ms']:.3f} ms" if bare_timed(row) else ""),
                   flush=True)
         del inputs, dout
         if args.out and rows:           # after every shape: a run cut short keeps what it has

@@ -15,8 +15,9 @@ At batch x seqlen x nheads x ngroups (headdim 64, dstate ``--dstate``, bf16, D, 
 softplus; ``fwd_bwd.py``'s inputs), mamba_ssm's Triton scan at chunk 256 and this project's at each
 of ``--chunks`` run three warm-up steps (forward with gradients, then ``out.backward(dout)``), then
 ``--steps`` steps under ``torch.profiler``; each kernel's summed device time is divided by the
-steps. With ``--tilegym-chunk``, TileGym's step (``fwd_bwd.py``'s: its forward then its backward,
-given the processed dt) at that chunk too; its first steps autotune (a minute or more). The total is
+steps. With ``--tilegym-chunk``, TileGym's step (``fwd_bwd.py``'s: its two functions in an autograd
+node, dt's bias and softplus in PyTorch before it) at that chunk too; its first steps autotune (a
+minute or more). The total is
 the GPU's busy time per step; a step's wall time (``fwd_bwd.py``) also holds the host's work between
 launches, and the gap between the two is how host-bound the step is.
 """
@@ -27,8 +28,7 @@ import torch
 
 def warm_step(impl, chunk, shape):
     """One training step's scan of ``impl`` at ``chunk`` on ``fwd_bwd.py``'s inputs for
-    ``shape`` (TileGym's functional step, the others' autograd one), after three warm-up
-    steps."""
+    ``shape`` (each implementation's as ``fwd_bwd.py`` times it), after three warm-up steps."""
     from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup, _tilegym_step
     inputs, dout = _setup(shape)
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}

@@ -255,6 +255,17 @@ def scaling_block(source):
     return scaling.markdown(rows), note
 
 
+def tilegym_step_note(rows):
+    """How TileGym's training step was timed: in an autograd node with dt processed before it,
+    as ``fwd_bwd.py`` times it now (its rows then have ``bare_ms``, its two functions alone), or,
+    in a CSV made before that, as its two functions alone."""
+    if rows and all("bare_ms" in r for r in rows):
+        return (" TileGym, which ships its forward and backward as two functions, runs them in an"
+                " autograd node with dt's bias and softplus done in PyTorch before it, as a model"
+                " training through them would.")
+    return " TileGym gets dt already processed and returns no dt or dt_bias gradient."
+
+
 def build_block(forward_rows, training_sources, recheck=None, forward_source=FORWARD_CSV,
                 models=MODELS, scaling=None):
     """The text between the markers (without them), ending in a newline: the forward's table and
@@ -285,7 +296,7 @@ def build_block(forward_rows, training_sources, recheck=None, forward_source=FOR
                   + "; peak: memory allocated in the step beyond that before it. Chunks"
                   + (" as above." if train_chunks == fwd_chunks else f": {train_chunks}.")
                   + (f" Gradients within {sci(max(worst))} of Triton's." if worst else "")
-                  + " TileGym gets dt already processed and returns no dt or dt_bias gradient."
+                  + tilegym_step_note(train_used["tilegym"])
                   + (recheck_note(recheck, models) if recheck is not None else ""))
     lines = fwd + [""] + wrap(fwd_note) + [""] + train + [""] + wrap(train_note)
     if scaling is not None:

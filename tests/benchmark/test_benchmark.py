@@ -892,12 +892,14 @@ def test_memory_probe_checks_its_shape(capsys):
 def test_fwd_bwd_resumes_an_earlier_run_shape_by_shape(tmp_path):
     """--resume keeps an earlier CSV's shapes whose every run it holds (and its rows of shapes
     not asked for), runs the rest, a shape measured in part again whole; a CSV made with --graph
-    the other way is refused."""
+    the other way is refused, and so is one made before TileGym's rows were a training step
+    (no bare_ms column)."""
     from ops.results.report import write_csv
     from tests.benchmark import fwd_bwd
     shape = dict(batch=1, seqlen=4096, nheads=80, headdim=64, ngroups=1, dstate=64)
     shapes = [("a", shape), ("b", shape), ("c", shape)]
     row = lambda name, impl, chunk: dict(shape=name, impl=impl, chunk=chunk, fwd_bwd_ms=1.5,
+                                         bare_ms=0.5 if impl == "tilegym" else float("nan"),
                                          graph_ms=1.0)
     earlier = [row("a", "triton", 256), row("a", "cutile", 256), row("a", "tilegym", 64),
                row("b", "triton", 256), row("b", "cutile", 256),                # no TileGym
@@ -912,6 +914,54 @@ def test_fwd_bwd_resumes_an_earlier_run_shape_by_shape(tmp_path):
     assert [name for name, _ in left] == ["c"] and len(kept) == 6
     with pytest.raises(SystemExit, match="--graph"):
         fwd_bwd.resumed(path, shapes, impls, [256], 64, graph=False)
+    write_csv(path, [{k: v for k, v in r.items() if k != "bare_ms"} for r in earlier])
+    with pytest.raises(SystemExit, match="TileGym's step"):
+        fwd_bwd.resumed(path, shapes, impls, [256], 64, graph=True)
+
+
+def test_fwd_bwd_times_tilegym_in_a_training_step():
+    """fwd_bwd's TileGym step is a training step like the others': its two functions in one
+    autograd node (``TileGymScan``), dt's bias and softplus in PyTorch before it, so that every
+    leaf -- x, dt, A, B, C, D, dt_bias -- gets the gradient of the same loss through the
+    recurrence. On the CPU, the chunked reference stands in for TileGym's two functions (same
+    signatures and result order as TileGym 1.5.1's). Float64 inputs; the processed dt is
+    float32 on its way into the functions (TileGym's kernels take float32), hence 1e-6."""
+    import torch
+
+    from reference.chunked import ssd_chunked
+    from tests.benchmark import fwd_bwd
+    from tests.benchmark.bench_forward import make_inputs
+
+    def forward(x, a, b, c, d, dt, init_state, chunk_size=64):
+        assert dt.dtype == torch.float32 and init_state.dtype == torch.float32
+        return ssd_chunked(x, dt.double(), a, b, c, chunk_size, D=d,
+                           initial_states=init_state.double(), return_final_states=True)
+
+    def backward(x, a, b, c, d, dt, init_state, dout, dfinal, chunk_size=64):
+        leaves = [t.detach().requires_grad_() for t in (x, a, b, c, d, dt, init_state)]
+        with torch.enable_grad():                   # (an autograd node's backward runs without)
+            out, final = forward(*leaves, chunk_size=chunk_size)
+        # TileGym's order: dx, da, db, dc, dd, ddt, dinit_state
+        return torch.autograd.grad((out, final), leaves, (dout, dfinal.double()))
+
+    inputs = {k: v.double() for k, v in make_inputs(torch, "cpu", 2, 64, 4, 8, 2, 16,
+                                                      "float64").items()}
+    dout = torch.randn(inputs["x"].shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(3))
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    step, forward_only, grads, bare = fwd_bwd._tilegym_step(16, leaves, dout, (forward, backward))
+    step()
+    got = grads()
+    expected = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    out = ssd_chunked(*(expected[k] for k in ("x", "dt", "A", "B", "C")), 16, D=expected["D"],
+                      dt_bias=expected["dt_bias"], dt_softplus=True)
+    out.backward(dout)
+    assert set(got) == set(fwd_bwd.LEAVES)
+    for k in fwd_bwd.LEAVES:
+        ref = expected[k].grad
+        assert fwd_bwd.grad_diff(got[k], ref.float()) < 1e-6, k
+    assert fwd_bwd.grad_diff(forward_only().float(), out.detach().float()) < 1e-6
+    bare()                                                  # its two functions alone
 
 
 def test_fwd_bwd_runs_part_of_the_grid():

@@ -89,6 +89,20 @@ def test_block_notes_by_hand():
     assert block.endswith("\n") and not block.startswith("\n")
 
 
+def test_the_note_says_how_tilegyms_step_was_timed():
+    """A CSV made before fwd_bwd.py timed TileGym's step in an autograd node (no bare_ms column)
+    is described as its two functions alone; one made after, as a step like the others'."""
+    old = " ".join(rt.build_block(forward_rows(), [("step.csv", training_rows())],
+                                  forward_source="fwd.csv", models=MODEL).split())
+    assert "TileGym gets dt already processed and returns no dt or dt_bias gradient." in old
+    rows = [dict(r, bare_ms=0.5 if r["impl"] == "tilegym" else float("nan"))
+            for r in training_rows()]
+    new = " ".join(rt.build_block(forward_rows(), [("step.csv", rows)], forward_source="fwd.csv",
+                                  models=MODEL).split())
+    assert "runs them in an autograd node with dt's bias and softplus done in PyTorch" in new
+    assert "TileGym gets dt already processed" not in new
+
+
 def test_training_rows_come_from_the_first_csv_that_has_the_model():
     other = [dict(r, fwd_bwd_ms=r["fwd_bwd_ms"] * 10) for r in training_rows()]
     lines, used, names = rt.training_table([("empty.csv", []), ("step.csv", training_rows()),
