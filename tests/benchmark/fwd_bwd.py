@@ -53,8 +53,12 @@ configs are shared out among ``--tilegym-parts`` processes per shape, each compi
 n-th config of each list (``warm_compile.tilegym_configs_sliced``), and the timed run's own
 search finds them compiled. Shapes that compile alike (the grid's 4K, 16K and 64K at one dstate)
 share one such warm-up (``warm_jobs``). TileGym's search still times its configs at every shape:
-35-95 s per shape on the H200 (the grid and the prefill shape at commit ``339f854``, after a
-warm step of 206 s on 16 processes for the three dstates).
+35-95 s per shape on the H200, after a warm step of 206 s on 16 processes for the grid's three
+dstates. ``--tilegym-winners JSON`` keeps its searches' winners in a file
+(``warm_compile.tilegym_winners``): a search made before on the same GPU model is not made
+again -- the step runs the config TileGym's own search picked -- and its warm-up compiles that
+config alone; new searches are added to the file. Committed beside the run's CSV
+(``results/tilegym_winners_h200.json``), it spares the next run on that GPU model the searches.
 """
 import argparse
 import multiprocessing as mp
@@ -201,8 +205,17 @@ def _graph_ms(step):
     return ms
 
 
-def measure(impl, chunk, inputs, dout, timed=True, graph=False):
-    """-> (row of timings, the gradients of one step)."""
+def measure(impl, chunk, inputs, dout, timed=True, graph=False, winners=None):
+    """-> (row of timings, the gradients of one step). ``winners``: TileGym's searches' winners
+    file (``warm_compile.tilegym_winners``), for its step."""
+    if impl == "tilegym" and winners:
+        from tests.benchmark.warm_compile import tilegym_winners
+        with tilegym_winners(winners):
+            return _measure(impl, chunk, inputs, dout, timed, graph)
+    return _measure(impl, chunk, inputs, dout, timed, graph)
+
+
+def _measure(impl, chunk, inputs, dout, timed, graph):
     from triton.testing import do_bench
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
     if impl == "tilegym":
@@ -253,7 +266,7 @@ def _runs(shape, impls, chunks, tilegym_chunk):
     return runs
 
 
-def warm_jobs(shapes, impls, chunks, tilegym_chunk, tilegym_parts):
+def warm_jobs(shapes, impls, chunks, tilegym_chunk, tilegym_parts, winners=None):
     """The first steps ``--warm-procs`` runs: one per shape and run, but TileGym's exhaustive
     compiles (``tilegym_parts`` processes each) only once for the shapes that specialize alike
     (the same sizes but the length, whose tokens and chunks are multiples of 16 or not alike:
@@ -270,7 +283,7 @@ def warm_jobs(shapes, impls, chunks, tilegym_chunk, tilegym_parts):
                     continue
                 compiled.add(key)
             parts = tilegym_parts if impl == "tilegym" else 1
-            jobs += [(s, impl, c, part, parts) for part in range(parts)]
+            jobs += [(s, impl, c, part, parts, winners) for part in range(parts)]
     jobs.sort(key=lambda job: job[1] != "tilegym")
     return jobs
 
@@ -279,16 +292,19 @@ def _warm(job):
     """One first step in a fresh process: its compiled kernels land in the disk caches. For
     TileGym, one ``part`` of ``nparts`` of each of its autotuning lists (forward and backward:
     ``warm_compile.tilegym_configs_sliced``), so that several processes compile one shape's
-    configs together and the timed run's search finds them all compiled."""
-    shape, impl, chunk, part, nparts = job
+    configs together and the timed run's search finds them all compiled; with a ``winners``
+    file, a search it holds compiles its winner alone and only the others are sliced so
+    (``warm_compile.tilegym_winners``: a warm process adds nothing to the file)."""
+    shape, impl, chunk, part, nparts, winners = job
     inputs, dout = _setup(shape)
     label = f"warm {shape_text(shape)} {impl} {chunk}" + (f" part {part + 1}/{nparts}"
                                                           if nparts > 1 else "")
     try:
         if impl == "tilegym":
-            from tests.benchmark.warm_compile import tilegym_configs_sliced
-            with tilegym_configs_sliced(part, nparts):
-                row, _ = measure(impl, chunk, inputs, dout, timed=False)
+            from tests.benchmark.warm_compile import tilegym_configs_sliced, tilegym_winners
+            with (tilegym_winners(winners, part, nparts, keep=False) if winners
+                  else tilegym_configs_sliced(part, nparts)):
+                row, _ = _measure(impl, chunk, inputs, dout, timed=False, graph=False)
         else:
             row, _ = measure(impl, chunk, inputs, dout, timed=False)
         return f"{label}: {row['first_s']:.0f} s"
@@ -399,6 +415,9 @@ def main(argv=None):
     parser.add_argument("--tilegym-chunk", type=int, default=64)
     parser.add_argument("--tilegym-parts", type=int, default=8,
                         help="warm processes sharing one shape's TileGym configs (--warm-procs)")
+    parser.add_argument("--tilegym-winners", metavar="JSON",
+                        help="TileGym's searches' winners: those it holds are not searched "
+                             "again, new ones are added (warm_compile.tilegym_winners)")
     parser.add_argument("--warm-procs", type=int, default=0,
                         help="compile every first step in this many processes first")
     parser.add_argument("--graph", action="store_true",
@@ -443,7 +462,8 @@ def main(argv=None):
         print(f"resuming {args.resume}: {len(rows)} rows kept, {len(shapes)} shapes to run",
               flush=True)
     if args.warm_procs and shapes:
-        jobs = warm_jobs([s for _, s in shapes], impls, chunks, args.tilegym_chunk, args.tilegym_parts)
+        jobs = warm_jobs([s for _, s in shapes], impls, chunks, args.tilegym_chunk,
+                         args.tilegym_parts, args.tilegym_winners)
         start = time.perf_counter()
         with mp.get_context("spawn").Pool(args.warm_procs) as pool:
             for line in pool.imap_unordered(_warm, jobs):
@@ -454,7 +474,8 @@ def main(argv=None):
         base = ref = None               # Triton's row and gradients: the baseline, or none
         for impl, chunk in _runs(shape, impls, chunks, args.tilegym_chunk):
             try:
-                row, grads = measure(impl, chunk, inputs, dout, graph=args.graph)
+                row, grads = measure(impl, chunk, inputs, dout, graph=args.graph,
+                                     winners=args.tilegym_winners)
             except Exception as e:
                 print(f"{name:24s} {impl:7s} chunk {chunk:3d}: FAILED {type(e).__name__}: "
                       f"{str(e)[:200]}", flush=True)

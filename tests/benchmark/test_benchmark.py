@@ -979,6 +979,64 @@ def test_fwd_bwd_runs_part_of_the_grid():
         fwd_bwd.main(["--grid-seqlens", "4096"])
 
 
+def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
+    """warm_compile.tilegym_winners: a TileGym search (its module's exhaustive_search, stood in
+    for here: the winner is the config with the largest ``speed``) runs once and its winner is
+    written to the file; in a later context, the same search -- same kernel, arguments' shapes
+    and config list -- returns that config of the list without searching; another shape or
+    another list searches again; a warm context (keep=False) searches its slice of the list on
+    a miss and keeps nothing; the module's function is restored after each."""
+    import json
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    import torch
+    from cuda.tile.tune import Measurement, TuningResult
+
+    from tests.benchmark.warm_compile import tilegym_winners
+    searched = []
+
+    def exhaustive_search(configs, stream, grid_fn, kernel, args_fn, hints_fn=None):
+        searched.append([c.speed for c in configs])
+        best = max(configs, key=lambda c: c.speed)
+        m = Measurement(config=best, mean_us=100.0 / best.speed, num_samples=5,
+                        error_margin_us=0.1)
+        return TuningResult(best=m, successes=[m], failures=[])
+    names = ["tilegym", "tilegym.ops", "tilegym.ops.cutile", "tilegym.ops.cutile.mamba2"]
+    modules = [types.ModuleType(n) for n in names]
+    for parent, child, name in zip(modules, modules[1:], names[1:]):
+        setattr(parent, name.rsplit(".", 1)[1], child)
+    for name, module in zip(names, modules):
+        monkeypatch.setitem(sys.modules, name, module)
+    tg = modules[-1]
+    tg.exhaustive_search = exhaustive_search
+
+    def kernel():
+        pass
+    configs = [SimpleNamespace(BLOCK=b, speed=s) for b, s in ((16, 1.0), (32, 3.0), (64, 2.0))]
+    x = torch.randn(4, 8)
+    args = lambda x: (lambda cfg: (x, cfg.BLOCK))
+    path = tmp_path / "winners.json"
+
+    def run(cfgs, tensor=x, **options):
+        with tilegym_winners(path, **options):
+            return tg.exhaustive_search(cfgs, None, None, kernel, args(tensor)).best.config
+    assert run(configs) is configs[1] and searched == [[1.0, 3.0, 2.0]]
+    assert tg.exhaustive_search is exhaustive_search
+    entry, = json.loads(path.read_text()).values()
+    assert entry["config"] == repr(configs[1]) and entry["mean_us"] == pytest.approx(100 / 3)
+    again = [SimpleNamespace(**vars(c)) for c in configs]          # a new process's list
+    assert run(again) is again[1] and len(searched) == 1
+    assert run(configs, torch.randn(4, 16)) is configs[1] and len(searched) == 2
+    assert run(configs[::2]) is configs[2] and len(searched) == 3
+    before = path.read_text()
+    more = configs + [SimpleNamespace(BLOCK=128, speed=0.5)]
+    assert run(more, keep=False, part=1, nparts=2) is configs[1]      # its slice: 3.0, 0.5
+    assert searched[-1] == [3.0, 0.5] and path.read_text() == before
+    assert tg.exhaustive_search is exhaustive_search
+
+
 def test_fwd_bwd_warms_tilegym_once_per_specialization():
     """TileGym's exhaustive compiles run once for the shapes that specialize alike (the grid's
     4K, 16K and 64K at one dstate), on the shortest, in ``tilegym_parts`` processes, before the
@@ -986,7 +1044,8 @@ def test_fwd_bwd_warms_tilegym_once_per_specialization():
     from tests.benchmark import fwd_bwd
     shapes = fwd_bwd.grid_points() + [dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128)]
     jobs = fwd_bwd.warm_jobs(shapes, ("triton", "cutile", "tilegym"), [256], 64, 4)
-    tilegym = [(s["batch"], s["seqlen"], s["dstate"], part) for s, impl, c, part, n in jobs if impl == "tilegym"]
+    tilegym = [(s["batch"], s["seqlen"], s["dstate"], part) for s, impl, c, part, n, _ in jobs
+               if impl == "tilegym"]
     assert tilegym == [(8, 2048, 128, p) for p in range(4)] + [
         (1, 4096, n, p) for n in (64, 128, 256) for p in range(4)]
     assert all(impl == "tilegym" for _, impl, *_ in jobs[:len(tilegym)])

@@ -189,6 +189,88 @@ def tilegym_configs_sliced(part, nparts):
             getattr(tg, name, {}).clear()
 
 
+@contextlib.contextmanager
+def tilegym_winners(path, part=0, nparts=1, keep=True):
+    """Within it, each of TileGym's autotuning searches (``cuda.tile.tune.exhaustive_search`` as
+    its mamba2 module calls it) is first looked up in the JSON file ``path``: a search made
+    before, in any process, on the same GPU model, for the same kernel, the same arguments'
+    shapes, strides and dtypes and the same list of configs, gives back its winner without
+    timing anything (nor compiling the losers); any other search runs, as TileGym runs it, and
+    its winner is added to the file at once (a run cut short keeps what it found). TileGym's
+    searches are exhaustive and in memory only: 35-95 s a shape on an H200, most of a side by
+    side run; with its winners kept, a later run times the configs TileGym picked, and its
+    first step compiles only those. A file made on another GPU model finds nothing.
+
+    ``keep`` False (a warm process of ``fwd_bwd.py --warm-procs``, timing on a shared GPU): a
+    search the file does not hold times only every ``nparts``-th config from ``part`` on, to
+    compile its share (as ``tilegym_configs_sliced``), and its winner is not kept, in the file
+    or in TileGym's caches; prints are swallowed."""
+    import io
+    import json
+    import pathlib
+
+    import tilegym.ops.cutile.mamba2 as tg
+    from cuda.tile.tune import Measurement, TuningResult
+    path = pathlib.Path(path)
+    found = json.loads(path.read_text()) if path.exists() else {}
+    search = tg.exhaustive_search
+
+    def remembered(configs, stream, grid_fn, kernel, args_fn, hints_fn=None, **options):
+        configs = list(configs)
+        key = tilegym_search_key(configs, kernel, args_fn)
+        entry = found.get(key)
+        names = [repr(c) for c in configs]
+        if entry is not None and entry["config"] in names:
+            best = Measurement(config=configs[names.index(entry["config"])],
+                               mean_us=entry["mean_us"], num_samples=0, error_margin_us=0.0)
+            return TuningResult(best=best, successes=[best], failures=[])
+        if not keep:
+            return search(configs[part::nparts] or configs[:1], stream, grid_fn, kernel, args_fn,
+                          hints_fn, **options)
+        result = search(configs, stream, grid_fn, kernel, args_fn, hints_fn, **options)
+        found[key] = dict(kernel=_kernel_label(kernel), config=repr(result.best.config),
+                          mean_us=result.best.mean_us)
+        path.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        return result
+    quiet = contextlib.nullcontext() if keep else contextlib.redirect_stdout(io.StringIO())
+    if not keep:
+        for name in TILEGYM_TUNE_CACHES:
+            getattr(tg, name, {}).clear()
+    tg.exhaustive_search = remembered
+    try:
+        with quiet:
+            yield found
+    finally:
+        tg.exhaustive_search = search
+        if not keep:                                # winners among a slice: not the real ones
+            for name in TILEGYM_TUNE_CACHES:
+                getattr(tg, name, {}).clear()
+
+
+def tilegym_search_key(configs, kernel, args_fn):
+    """What one TileGym search's winner depends on: the GPU model, the kernel, its arguments'
+    shapes, strides and dtypes (and plain values) as the first config binds them, and the list
+    of configs searched; as one hex digest."""
+    import hashlib
+
+    import torch
+    args = [(tuple(a.shape), tuple(a.stride()), str(a.dtype)) if torch.is_tensor(a) else repr(a)
+            for a in args_fn(configs[0])]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    text = repr((gpu, _kernel_label(kernel), args, [repr(c) for c in configs]))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _kernel_label(kernel):
+    """A ``@ct.kernel``'s function's name (TileGym may pass a function of the config instead)."""
+    from ops.runtime.cutile_internals import kernel_function
+    try:
+        kernel = kernel_function(kernel)
+    except TypeError:
+        pass
+    return getattr(kernel, "__qualname__", repr(kernel))
+
+
 def _tilegym_forward(inp, chunk, part=0, nparts=1):
     """TileGym's forward as the benchmark calls it (processed dt, zero initial state), within
     ``tilegym_configs_sliced(part, nparts)``."""
