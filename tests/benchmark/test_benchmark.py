@@ -979,6 +979,47 @@ def test_fwd_bwd_runs_part_of_the_grid():
         fwd_bwd.main(["--grid-seqlens", "4096"])
 
 
+def test_fwd_bwd_tilegym_step_with_tilegyms_own_kernels_on_the_interpreter(monkeypatch):
+    """The same step with TileGym's real functions and kernels, where TileGym is installed (the
+    GPU machine's bundle has it; elsewhere skipped): its ``ct.launch`` sent to this project's
+    CPU interpreter, its autotuning off (its first config), so that the argument order and
+    dtypes TileGymScan assumes are TileGym's own. Float32 inputs, chunk 64 (TileGym's); every
+    gradient within 1e-4 of the float64 recurrence's (float32 rounding, its states float32)."""
+    tg = pytest.importorskip("tilegym.ops.cutile.mamba2")
+    import cuda.tile as ct
+    import torch
+
+    from ops import interpreter
+    from reference.chunked import ssd_chunked
+    from tests.benchmark import fwd_bwd
+    from tests.benchmark.bench_forward import make_inputs
+    from tests.benchmark.warm_compile import TILEGYM_TUNE_CACHES
+
+    class Properties:
+        multi_processor_count = 132
+    monkeypatch.setenv("TILEGYM_DISABLE_AUTOTUNE", "1")
+    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
+                        interpreter.launch(grid, kernel, list(args)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: Properties())
+    for name in TILEGYM_TUNE_CACHES:
+        monkeypatch.setattr(tg, name, {})
+    inputs = make_inputs(torch, "cpu", 2, 128, 4, 16, 2, 16, "float32")
+    dout = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(3))
+    leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    step, _, grads, bare = fwd_bwd._tilegym_step(
+        64, leaves, dout, (tg.mamba2_chunk_forward, tg.mamba2_chunk_backward))
+    step()
+    got = grads()
+    expected = {k: v.double().clone().requires_grad_() for k, v in inputs.items()}
+    out = ssd_chunked(*(expected[k] for k in ("x", "dt", "A", "B", "C")), 64, D=expected["D"],
+                      dt_bias=expected["dt_bias"], dt_softplus=True)
+    out.backward(dout.double())
+    for k in fwd_bwd.LEAVES:
+        assert fwd_bwd.grad_diff(got[k].double(), expected[k].grad) < 1e-4, k
+    bare()
+
+
 def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
     """warm_compile.tilegym_winners: a TileGym search (its module's exhaustive_search, stood in
     for here: the winner is the config with the largest ``speed``) runs once and its winner is
