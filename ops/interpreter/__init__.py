@@ -64,7 +64,10 @@ Modules
   and `launch`;
 * `trace`: what a launch touched (``launch(..., record=True)``): `Trace`,
   one `Access` per load or store, with the block, the kernel line and the
-  elements of the argument it read or wrote.
+  elements of the argument it read or wrote;
+* `work`: how much work launches did (``with count_work() as work:``), per
+  kernel: launches, blocks, multiply-adds of ``mma`` / ``matmul``, bytes
+  loaded and stored.
 
 Values inside an interpreted kernel
 -----------------------------------
@@ -201,10 +204,12 @@ from .memory import UndeterminedPaddingWarning
 from .runner import is_interpreting, launch
 from .trace import Access, Trace
 from .values import Array, Tile
+from .work import KernelWork, Work, count_work
 
 __all__ = [
     "Access",
     "Array",
+    "KernelWork",
     "KernelAssertionError",
     "KernelError",
     "KernelTypeError",
@@ -213,6 +218,8 @@ __all__ = [
     "Trace",
     "UndeterminedPaddingWarning",
     "UnsupportedOperation",
+    "Work",
+    "count_work",
     "is_interpreting",
     "launch",
 ]

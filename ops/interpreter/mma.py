@@ -9,6 +9,7 @@ from .dtypes import FLOAT8, convert, to_dtype
 from .errors import KernelTypeError
 from .registry import OPS, emulates
 from .values import Tile
+from .work import COUNTING
 
 # Operand dtype -> allowed accumulator dtypes (the table in help(ct.mma)).
 MMA_ACCUMULATORS = {
@@ -54,7 +55,11 @@ def _check_mma_dtypes(op, x_dtype, y_dtype, acc_dtype):
 
 
 def _mma_product(x, y, acc_dtype):
-    """x @ y computed exactly as the hardware sees it: operands as stored, wide sums."""
+    """x @ y computed exactly as the hardware sees it: operands as stored, wide sums (and
+    counted where ``work.count_work`` counts)."""
+    work = COUNTING.get()
+    if work is not None:
+        work.mma(x.shape, y.shape)
     if is_integral(acc_dtype):
         out = torch.matmul(x._t.to(torch.int64), y._t.to(torch.int64))
         return out  # wrapped to int32 by the caller's conversion

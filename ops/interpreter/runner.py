@@ -11,6 +11,7 @@ from ops.runtime.cutile_internals import DispatchMode, ScalarAnnotation, is_stub
 from .arguments import as_int
 from .dtypes import compute, to_dtype
 from . import memory, trace
+from .work import COUNTING
 from .errors import KernelTypeError, UnsupportedOperation
 from .pybuiltins import tile_builtins
 from .registry import OPS, InterpreterMode, emulates
@@ -168,6 +169,9 @@ def launch(grid, kernel, args, *, undetermined_padding=None, record=False, block
             arg_shapes={i: tuple(v.shape) for i, v in tensors.items()},
             kernel=pyfunc.__name__, filename=code.co_filename), tensors,
             {i: a for i, a in enumerate(call_args) if isinstance(a, Array)})
+    work = COUNTING.get()
+    if work is not None:
+        work.launch(pyfunc.__name__)
     mode = Interpreter(grid)
     # tile_builtins: max(tile, tile) and friends behave as the compiler makes them.
     with torch.no_grad(), mode.as_current(), tile_builtins(), \
@@ -175,6 +179,8 @@ def launch(grid, kernel, args, *, undetermined_padding=None, record=False, block
             trace.recording(recorder):
         for block in selected:
             mode.block = block
+            if work is not None:
+                work.block()
             if recorder:
                 recorder.block = block
                 recorder.trace.blocks.append(block)

@@ -39,6 +39,7 @@ import warnings
 import torch
 
 from .errors import kernel_frame
+from .work import COUNTING
 
 # The recorder of the launch running on this thread; None (the common case) when not recording.
 ACTIVE = contextvars.ContextVar("interpreter_trace", default=None)
@@ -284,10 +285,13 @@ def record_region(op, kind, array, region, tile_shape, **kwargs):
     """Report a box access to the launch's `Recorder`, if it records (``Recorder.region``): the
     one call ``ct.load``, ``ct.store`` and a tiled view's loads and stores make (their arguments
     are already computed; the element-wise operations check ``ACTIVE`` themselves, since theirs
-    cost work to build)."""
+    cost work to build). Counted too where ``work.count_work`` counts."""
     recorder = ACTIVE.get()
     if recorder is not None:
         recorder.region(op, kind, array, region, tile_shape, **kwargs)
+    work = COUNTING.get()
+    if work is not None:
+        work.access(kind, array, region, kwargs.get("order"))
 
 
 @contextlib.contextmanager

@@ -18,11 +18,13 @@ COLUMN_ORDER = ("triton", "tilegym", "cutile_default", "cutile", "reference", "i
 SHAPE_KEYS = ("batch", "nheads", "headdim", "ngroups", "dtype", "seqlen", "dstate")
 
 INT_COLUMNS = {"batch", "seqlen", "nheads", "headdim", "ngroups", "dstate", "chunk", "compute_chunk",
-               "flops", "bytes", "fwd_chunk", "bwd_chunk"}
+               "flops", "bytes", "fwd_chunk", "bwd_chunk", "launches", "blocks"}
 FLOAT_COLUMNS = {"ms", "tflops", "gbps", "roofline_ms", "roofline_fraction", "rel_err", "peak_mem_mb",
                  "first_call_s", "task_s", "peak_tflops", "peak_gbps", "warmup_ms", "rep_ms",
                  # fwd_bwd.py's
-                 "fwd_bwd_ms", "fwd_ms", "graph_ms", "bare_ms", "first_s", "peak_mib", "speedup"}
+                 "fwd_bwd_ms", "fwd_ms", "graph_ms", "bare_ms", "first_s", "peak_mib", "speedup",
+                 # work_count.py's
+                 "macs", "loaded", "stored"}
 BOOL_COLUMNS = {"finite", "best_chunk"}
 
 

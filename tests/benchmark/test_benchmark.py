@@ -979,37 +979,28 @@ def test_fwd_bwd_runs_part_of_the_grid():
         fwd_bwd.main(["--grid-seqlens", "4096"])
 
 
-def test_fwd_bwd_tilegym_step_with_tilegyms_own_kernels_on_the_interpreter(monkeypatch):
+def test_fwd_bwd_tilegym_step_with_tilegyms_own_kernels_on_the_interpreter():
     """The same step with TileGym's real functions and kernels, where TileGym is installed (the
-    GPU machine's bundle has it; elsewhere skipped): its ``ct.launch`` sent to this project's
-    CPU interpreter, its autotuning off (its first config), so that the argument order and
-    dtypes TileGymScan assumes are TileGym's own. Float32 inputs, chunk 64 (TileGym's); every
-    gradient within 1e-4 of the float64 recurrence's (float32 rounding, its states float32)."""
-    tg = pytest.importorskip("tilegym.ops.cutile.mamba2")
-    import cuda.tile as ct
+    GPU machine's bundle has it; elsewhere skipped), its kernels run on this project's CPU
+    interpreter with its first config (``work_count.tilegym_on_interpreter``), so that the
+    argument order and dtypes TileGymScan assumes are TileGym's own. Float32 inputs, chunk 64
+    (TileGym's); every gradient within 1e-4 of the float64 recurrence's (float32 rounding)."""
+    pytest.importorskip("tilegym.ops.cutile.mamba2")
     import torch
 
-    from ops import interpreter
     from reference.chunked import ssd_chunked
     from tests.benchmark import fwd_bwd
     from tests.benchmark.bench_forward import make_inputs
-    from tests.benchmark.warm_compile import TILEGYM_TUNE_CACHES
+    from tests.benchmark.work_count import tilegym_on_interpreter
 
-    class Properties:
-        multi_processor_count = 132
-    monkeypatch.setenv("TILEGYM_DISABLE_AUTOTUNE", "1")
-    monkeypatch.setattr(ct, "launch", lambda stream, grid, kernel, args:
-                        interpreter.launch(grid, kernel, list(args)))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: Properties())
-    for name in TILEGYM_TUNE_CACHES:
-        monkeypatch.setattr(tg, name, {})
     inputs = make_inputs(torch, "cpu", 2, 128, 4, 16, 2, 16, "float32")
     dout = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(3))
     leaves = {k: v.clone().requires_grad_() for k, v in inputs.items()}
-    step, _, grads, bare = fwd_bwd._tilegym_step(
-        64, leaves, dout, (tg.mamba2_chunk_forward, tg.mamba2_chunk_backward))
-    step()
+    with tilegym_on_interpreter() as tg:
+        step, _, grads, bare = fwd_bwd._tilegym_step(
+            64, leaves, dout, (tg.mamba2_chunk_forward, tg.mamba2_chunk_backward))
+        step()
+        bare()                                              # its two functions alone
     got = grads()
     expected = {k: v.double().clone().requires_grad_() for k, v in inputs.items()}
     out = ssd_chunked(*(expected[k] for k in ("x", "dt", "A", "B", "C")), 64, D=expected["D"],
@@ -1017,7 +1008,33 @@ def test_fwd_bwd_tilegym_step_with_tilegyms_own_kernels_on_the_interpreter(monke
     out.backward(dout.double())
     for k in fwd_bwd.LEAVES:
         assert fwd_bwd.grad_diff(got[k].double(), expected[k].grad) < 1e-4, k
-    bare()
+
+
+def test_work_count_counts_a_steps_kernels(tmp_path):
+    """work_count on a small step of this project's (and TileGym's, where installed): a row per
+    kernel the step launched -- the eight launches of a default step -- and a total row that adds
+    them up; the state pass does the p x n multiply-adds per token and head that each token's
+    contribution B^T (dt x) to its chunk's state takes, no more."""
+    import torch
+
+    from ops.results.report import load
+    from tests.benchmark import work_count
+    path = tmp_path / "work.csv"
+    work_count.main(["--shape", "1x128x4x1", "--dstates", "32", "--chunks", "32",
+                     "--out", str(path)])
+    rows = load(path)
+    ours = [r for r in rows if r["impl"] == "cutile"]
+    kernels, total = ours[:-1], ours[-1]
+    assert total["kernel"] == "total" and sum(r["launches"] for r in kernels) == 8
+    for field in ("macs", "loaded", "stored"):
+        assert total[field] == pytest.approx(sum(r[field] for r in kernels))
+    state, = [r for r in kernels if r["kernel"] == "fwd_pass_state_kernel"]
+    assert state["macs"] == 64 * 32
+    assert all(r["loaded"] > 0 for r in kernels)
+    if work_count.tilegym_installed():
+        theirs = [r for r in rows if r["impl"] == "tilegym"]
+        assert theirs[-1]["kernel"] == "total" and theirs[-1]["macs"] > 0
+        assert torch.cuda.current_stream is not None           # restored
 
 
 def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):

@@ -1,0 +1,172 @@
+"""How much work a training step's kernels ask for: this project's and TileGym's, kernel by kernel.
+
+    python -m tests.benchmark.work_count [--shape 1x1024x32x1] [--dstates 64,128]
+        [--chunks 128,64] [--tilegym-chunk 64] [--out F.csv]
+
+A timing says how long a step took on one GPU; this says what its kernels asked of any GPU. One
+training step (forward with every input requiring a gradient, then ``out.backward(dout)``: bf16,
+headdim 64, D, dt_bias, softplus; ``fwd_bwd.py``'s inputs and output gradient) runs on the CPU
+interpreter under ``ops.interpreter.count_work``, which counts each kernel's launches, blocks,
+multiply-adds (``ct.mma`` / ``ct.matmul``) and the bytes its box loads and stores moved inside
+its arrays (``ops/interpreter/work.py`` says exactly what is counted). Per implementation:
+
+    cutile    this project's step at each of ``--chunks``, computed at that chunk (the
+              interpreter keeps the caller's chunk: ``ops/tuning/compute_chunk.py``), with the
+              kernels' default configs (the interpreter is not tuned; a tuned config moves work
+              between blocks, seldom changes it)
+    tilegym   TileGym's step (``fwd_bwd.py``'s ``TileGymScan``) at ``--tilegym-chunk``, its
+              kernels run on the interpreter (``tilegym_on_interpreter``) with its first config
+              (its autotuning off); where TileGym is installed, else left out
+
+Rows (one per kernel, and a ``total`` row per step): the counts divided by the step's tokens x
+heads, so that shapes compare: ``macs``, ``loaded`` and ``stored`` (bytes) per token and head.
+The counts depend on the sizes, not on a machine, so the CSV is made on any CPU. Work a group's
+heads share (C Bᵀ, per group) is divided among its heads: the default shape has 32 heads in one
+group, near the model shapes' 24-80 (the 8B layer has 16 a group).
+"""
+import argparse
+import contextlib
+import os
+
+import torch
+
+FIELDS = ("launches", "blocks", "macs", "loaded", "stored")
+
+
+@contextlib.contextmanager
+def tilegym_on_interpreter():
+    """Within it, TileGym's cuTile kernels (its mamba2 module's ``ct.launch``) run on this
+    project's CPU interpreter, on CPU tensors, with its first config (its autotuning off and its
+    caches of winners emptied before and after); what its wrappers ask of CUDA (the current
+    stream, the multiprocessor count of an H200) is answered without a GPU."""
+    import cuda.tile as ct
+    import tilegym.ops.cutile.mamba2 as tg
+
+    from ops import interpreter
+    from tests.benchmark.warm_compile import TILEGYM_TUNE_CACHES
+
+    class Properties:
+        multi_processor_count = 132
+    saved = [(ct, "launch"), (torch.cuda, "current_stream"),
+             (torch.cuda, "get_device_properties")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    env = os.environ.get("TILEGYM_DISABLE_AUTOTUNE")
+    os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"
+    ct.launch = lambda stream, grid, kernel, args: interpreter.launch(grid, kernel, list(args))
+    torch.cuda.current_stream = lambda *a, **k: None
+    torch.cuda.get_device_properties = lambda *a, **k: Properties()
+    for name in TILEGYM_TUNE_CACHES:
+        getattr(tg, name, {}).clear()
+    try:
+        yield tg
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        if env is None:
+            del os.environ["TILEGYM_DISABLE_AUTOTUNE"]
+        else:
+            os.environ["TILEGYM_DISABLE_AUTOTUNE"] = env
+        for name in TILEGYM_TUNE_CACHES:
+            getattr(tg, name, {}).clear()
+
+
+def cutile_step(chunk, leaves, dout):
+    """This project's training step on the interpreter, as ``fwd_bwd.py`` makes it on a GPU."""
+    from ops import mamba_chunk_scan_combined
+
+    def step():
+        out = mamba_chunk_scan_combined(
+            leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
+            D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, backend="interpret")
+        out.backward(dout)
+    return step
+
+
+def step_work(impl, chunk, shape, seed=0):
+    """``ops.interpreter.Work`` of one training step of ``impl`` ("cutile" or "tilegym") at
+    ``chunk`` on ``shape`` (batch, seqlen, nheads, headdim, ngroups, dstate): random bf16 inputs
+    from ``seed`` (``bench_forward.make_inputs``) and output gradient."""
+    from ops.interpreter import count_work
+    from tests.benchmark.bench_forward import make_inputs
+    from tests.benchmark.fwd_bwd import LEAVES, _tilegym_step
+    inputs = make_inputs(torch, "cpu", *(shape[k] for k in ("batch", "seqlen", "nheads",
+                                                             "headdim", "ngroups", "dstate")),
+                         "bfloat16", seed=seed)
+    dout = torch.randn(inputs["x"].shape, generator=torch.Generator().manual_seed(seed + 1))
+    dout = dout.to(torch.bfloat16)
+    leaves = {k: v.clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
+    if impl == "cutile":
+        with count_work() as work:
+            cutile_step(chunk, leaves, dout)()
+        return work
+    with tilegym_on_interpreter() as tg:
+        step = _tilegym_step(chunk, leaves, dout, (tg.mamba2_chunk_forward,
+                                                   tg.mamba2_chunk_backward))[0]
+        with count_work() as work:
+            step()
+    return work
+
+
+def rows_of(work, impl, chunk, shape):
+    """One row per kernel and a ``total`` row: the counts per token and head (launches and
+    blocks as they are)."""
+    per = shape["batch"] * shape["seqlen"] * shape["nheads"]
+    common = dict(impl=impl, chunk=chunk, **shape)
+    rows = []
+    for name, k in [*work.kernels.items(), ("total", work.total())]:
+        rows.append(dict(common, kernel=name, launches=k.launches, blocks=k.blocks,
+                         macs=k.macs / per, loaded=k.loaded / per, stored=k.stored / per))
+    return rows
+
+
+def tilegym_installed():
+    try:
+        import tilegym.ops.cutile.mamba2  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="1x1024x32x1", help="batch x seqlen x nheads x ngroups")
+    parser.add_argument("--dstates", default="64,128")
+    parser.add_argument("--chunks", default="128,64", help="this project's chunks")
+    parser.add_argument("--tilegym-chunk", type=int, default=64, help="0: not TileGym")
+    parser.add_argument("--out", help="CSV file to write")
+    args = parser.parse_args(argv)
+    try:
+        batch, seqlen, nheads, ngroups = (int(v) for v in args.shape.split("x"))
+        dstates = [int(v) for v in args.dstates.split(",")]
+        chunks = [int(v) for v in args.chunks.split(",")]
+    except ValueError:
+        parser.error("--shape is batch x seqlen x nheads x ngroups; --dstates and --chunks "
+                     "comma-separated integers")
+    runs = [("cutile", c) for c in chunks]
+    if args.tilegym_chunk:
+        if tilegym_installed():
+            runs.append(("tilegym", args.tilegym_chunk))
+        else:
+            print("TileGym is not installed: its step is left out", flush=True)
+    rows = []
+    for dstate in dstates:
+        shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, ngroups=ngroups,
+                     dstate=dstate)
+        for impl, chunk in runs:
+            found = rows_of(step_work(impl, chunk, shape), impl, chunk, shape)
+            rows += found
+            print(f"== {impl} chunk {chunk}, dstate {dstate}: per token and head", flush=True)
+            for r in found:
+                print(f"  {r['kernel']:32s} {r['macs']:9.0f} multiply-adds  {r['loaded']:7.0f} B "
+                      f"loaded  {r['stored']:6.0f} B stored  ({r['launches']} launches, "
+                      f"{r['blocks']} blocks)", flush=True)
+    if args.out and rows:
+        from ops.results.report import write_csv
+        from tests.benchmark.bench_forward import package_versions
+        versions = package_versions()
+        write_csv(args.out, [dict(r, tilegym=versions.get("tilegym"),
+                                  cuda_tile=versions.get("cuda_tile")) for r in rows])
+
+
+if __name__ == "__main__":
+    main()
