@@ -171,7 +171,7 @@ def launch(grid, kernel, args, *, undetermined_padding=None, record=False, block
             {i: a for i, a in enumerate(call_args) if isinstance(a, Array)})
     work = COUNTING.get()
     if work is not None:
-        work.launch(pyfunc.__name__)
+        work.launch(f"{pyfunc.__module__}.{pyfunc.__qualname__}")
     mode = Interpreter(grid)
     # tile_builtins: max(tile, tile) and friends behave as the compiler makes them.
     with torch.no_grad(), mode.as_current(), tile_builtins(), \

@@ -291,7 +291,7 @@ def record_region(op, kind, array, region, tile_shape, **kwargs):
         recorder.region(op, kind, array, region, tile_shape, **kwargs)
     work = COUNTING.get()
     if work is not None:
-        work.access(kind, array, region, kwargs.get("order"))
+        work.access(kind, array, region)
 
 
 @contextlib.contextmanager

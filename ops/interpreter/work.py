@@ -2,14 +2,14 @@
 
     with count_work() as work:
         ...                          # any interpreter launches, e.g. a whole training step
-    for name, k in work.kernels.items():
+    for name, k in work.kernels.items():     # "module.function" of each kernel
         print(name, k.launches, k.blocks, k.macs, k.loaded, k.stored)
 
 A timing says how long a kernel took on one GPU; these counts say how much it asked of any GPU,
 exactly, from the kernel's own code as it ran: two implementations of one computation can be
 compared kernel by kernel (``tests/benchmark/work_count.py``), and a change that should remove
-work shows that it did. What is counted, per kernel (by its function's name), over the launches
-made while counting:
+work shows that it did. What is counted, per kernel (by its function's module and name: two
+projects' kernels of one name stay apart), over the launches made while counting:
 
   * ``macs``: multiply-adds of ``ct.mma`` and ``ct.matmul`` (an ``(M, K) @ (K, N)`` product is
     M x K x N, times its batch), whatever the operands' dtype; elementwise arithmetic, reductions
@@ -43,14 +43,15 @@ class KernelWork:
 
 class Work:
     """The counts of the launches made inside ``count_work``, per kernel, in the order the kernels
-    first ran (``kernels``: name -> ``KernelWork``)."""
+    first ran (``kernels``: "module.function" -> ``KernelWork``)."""
 
     def __init__(self):
         self.kernels = {}
         self._current = None
 
     def launch(self, name):
-        """A launch of kernel ``name`` begins: what follows is its."""
+        """A launch of the kernel named ``name`` ("module.function") begins: what follows is
+        its."""
         self._current = self.kernels.setdefault(name, KernelWork())
         self._current.launches += 1
 
@@ -65,16 +66,13 @@ class Work:
             batch *= size
         self._current.macs += batch * x_shape[-2] * x_shape[-1] * y_shape[-1]
 
-    def access(self, kind, array, region, order=None):
+    def access(self, kind, array, region):
         """A box access of ``kind`` ("load" or "store") to the elements of ``array`` (an
-        interpreter ``Array``) that ``region`` slices, in the axis ``order`` it was seen in."""
-        shape = array._t.shape
-        if order is not None:
-            shape = [shape[axis] for axis in order]
+        interpreter ``Array``) that ``region`` selects: one slice per axis, already cut to the
+        array (so in whatever axis order the access saw it)."""
         elements = 1
-        for part, size in zip(region, shape):
-            if isinstance(part, slice):
-                elements *= len(range(*part.indices(size)))
+        for part in region:
+            elements *= part.stop - part.start
         nbytes = elements * array._t.element_size()
         if kind == "load":
             self._current.loaded += nbytes

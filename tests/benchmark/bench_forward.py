@@ -16,9 +16,9 @@ Implementations (``--impls``; one that is not installed is recorded as such and 
                call): tuned against untuned, side by side
     tilegym    NVIDIA TileGym's cuTile ``mamba2_chunk_forward``; it takes the processed dt
                (softplus(dt + dt_bias), made in PyTorch within the timed call, as a model calling
-               it must: the other two fuse that step), A, D and an initial state (zeros: the same
-               as none, made once), and needs L % chunk == 0 (other points are recorded as
-               skipped)
+               it must: the other two fuse that step; the ``tilegym_dt`` column says so), A, D
+               and an initial state (zeros: the same as none, made once), and needs
+               L % chunk == 0 (other points are recorded as skipped)
     reference  this project's chunked PyTorch reference
     interpret  this project's kernels in the CPU tile interpreter (``--device cpu``)
 Every implementation gets the same call of a Mamba-2 layer -- x, dt, A, B, C, D, dt_bias,
@@ -109,7 +109,7 @@ CSV_COLUMNS = [
     "roofline_fraction", "roofline_ms", "rel_err", "rel_err_vs", "peak_mem_mb", "first_call_s",
     "task_s", "finite", "batch", "nheads", "headdim", "ngroups", "dtype", "flops", "bytes",
     "peak_tflops", "peak_gbps", "timer", "warmup_ms", "rep_ms", "device", "driver", "torch",
-    "triton", "cuda_tile", "mamba_ssm", "tilegym", "python", "git_commit", "source_digest", "started_at", "env",
+    "triton", "cuda_tile", "mamba_ssm", "tilegym", "tilegym_dt", "python", "git_commit", "source_digest", "started_at", "env",
 ]
 
 
@@ -828,6 +828,12 @@ def parse_baseline(text):
     return out
 
 
+# Where TileGym's dt is processed (its bias added, softplus), recorded in every row: within the
+# timed call, as a model calling TileGym must (the other implementations fuse that step). A CSV
+# without the column processed it outside the timed call.
+TILEGYM_DT = "in call"
+
+
 def run_metadata(args):
     """What the parent knows without touching the GPU: driver, git commit, time, environment."""
     meta = {"python": platform.python_version(), "started_at": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -849,6 +855,7 @@ def run_metadata(args):
     except (OSError, subprocess.SubprocessError):
         pass
     meta["source_digest"] = source_digest()
+    meta["tilegym_dt"] = TILEGYM_DT
     meta["env"] = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(PASSED_ENV))
     return meta
 
@@ -948,6 +955,9 @@ def main(argv=None):
 
     meta = run_metadata(args)
     existing = report.load(args.csv) if args.resume and args.csv and os.path.exists(args.csv) else []
+    if any(r["impl"] == "tilegym" and r.get("tilegym_dt") != TILEGYM_DT for r in existing):
+        raise SystemExit(f"--resume {args.csv}: its TileGym rows were given dt processed outside "
+                         f"the timed call (no tilegym_dt column): run them again")
     workdir = tempfile.mkdtemp(prefix="bench_forward_")
     slices_dir = args.slices or os.path.join(workdir, "slices")
     os.makedirs(slices_dir, exist_ok=True)

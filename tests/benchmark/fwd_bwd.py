@@ -32,6 +32,9 @@ Per implementation and chunk (the caller's, as a model passes it):
     bare_ms      TileGym's two functions alone, back to back, on a dt processed once: no
                  autograd, no dt work, no gradients of dt and dt_bias -- its kernels and their
                  Python without the training step around them (NaN for the others)
+    tilegym_searches  with ``--tilegym-winners``, how many of TileGym's autotuning searches its
+                 first step ran (0: the file answered every one, so first_s holds no search);
+                 empty otherwise
     graph_ms     with ``--graph``: the same step captured once in a CUDA graph and replayed
                  (median of ``do_bench``), i.e. the GPU's time without the host's between
                  launches; NaN where the capture fails (its error is printed)
@@ -63,6 +66,7 @@ config alone; new searches are added to the file. Committed beside the run's CSV
 import argparse
 import multiprocessing as mp
 import time
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -94,6 +98,16 @@ def _scan(impl):
     return lambda *a, **k: mamba_chunk_scan_combined(*a, **k, backend="cutile")
 
 
+class StepFunctions(NamedTuple):
+    """What a step builder gives: the training step, the forward alone (no gradients), the
+    gradients of the last step (by leaf, float32), and its functions alone (TileGym's; None for
+    the others)."""
+    step: Callable
+    forward: Callable
+    grads: Callable
+    bare: Optional[Callable]
+
+
 def _autograd_step(impl, chunk, leaves, dout):
     scan = _scan(impl)
 
@@ -112,7 +126,7 @@ def _autograd_step(impl, chunk, leaves, dout):
 
     def grads():
         return {k: leaves[k].grad.float().clone() for k in LEAVES}
-    return step, forward, grads, None
+    return StepFunctions(step, forward, grads, None)
 
 
 class TileGymScan(torch.autograd.Function):
@@ -176,7 +190,7 @@ def _tilegym_step(chunk, leaves, dout, kernels=None):
         xb, Ab, Bb, Cb, Db, dtb = bare_inputs
         kernels[0](xb, Ab, Bb, Cb, Db, dtb, h0, chunk_size=chunk)
         kernels[1](xb, Ab, Bb, Cb, Db, dtb, h0, dout, dfinal, chunk_size=chunk)
-    return step, forward, grads, bare
+    return StepFunctions(step, forward, grads, bare)
 
 
 def _setup(shape):
@@ -210,8 +224,10 @@ def measure(impl, chunk, inputs, dout, timed=True, graph=False, winners=None):
     file (``warm_compile.tilegym_winners``), for its step."""
     if impl == "tilegym" and winners:
         from tests.benchmark.warm_compile import tilegym_winners
-        with tilegym_winners(winners):
-            return _measure(impl, chunk, inputs, dout, timed, graph)
+        with tilegym_winners(winners) as found:
+            row, grads = _measure(impl, chunk, inputs, dout, timed, graph)
+        row["tilegym_searches"] = found.searched
+        return row, grads
     return _measure(impl, chunk, inputs, dout, timed, graph)
 
 
@@ -240,7 +256,8 @@ def _measure(impl, chunk, inputs, dout, timed, graph):
     fwd = do_bench(forward, warmup=50, rep=200)
     row = dict(impl=impl, chunk=chunk, **computed_chunks(impl, chunk, inputs),
                fwd_bwd_ms=fwd_bwd, fwd_ms=fwd, first_s=first, peak_mib=peak,
-               bare_ms=do_bench(bare, warmup=50, rep=300) if bare else float("nan"))
+               bare_ms=do_bench(bare, warmup=50, rep=300) if bare else float("nan"),
+               tilegym_searches=None)
     if graph:                           # last: the captured step keeps its own memory
         row["graph_ms"] = _graph_ms(step)
     return row, g
@@ -374,13 +391,13 @@ def resumed(path, shapes, impls, chunks, tilegym_chunk, graph):
     run (``_runs``) it holds, and the shapes still to run (a shape measured in part is run again
     whole, its earlier rows dropped, so that its implementations stay side by side in one
     process). Its rows of other shapes are kept too. Refused if it was made with and without
-    ``--graph`` the other way (the columns would differ), or before TileGym's rows were a
-    training step (no ``bare_ms``)."""
+    ``--graph`` the other way (the columns would differ), or if its TileGym rows have no
+    ``bare_ms`` column (they time its two functions alone, not a training step)."""
     from ops.results.report import load
     earlier = load(path)
-    if earlier and "bare_ms" not in earlier[0]:
-        raise SystemExit(f"--resume {path}: made before TileGym's step was a training step "
-                         f"(its rows timed its two functions alone): run every shape again")
+    if any(r["impl"] == "tilegym" and "bare_ms" not in r for r in earlier):
+        raise SystemExit(f"--resume {path}: its TileGym rows have no bare_ms column, so they time "
+                         f"TileGym's two functions alone, not a training step: run them again")
     if earlier and ("graph_ms" in earlier[0]) != graph:
         raise SystemExit(f"--resume {path}: made {'with' if not graph else 'without'} --graph, "
                          f"this run {'with' if graph else 'without'}: give both the same")
@@ -432,6 +449,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if (args.grid_seqlens or args.grid_dstates) and not args.grid:
         parser.error("--grid-seqlens and --grid-dstates choose part of --grid: give --grid too")
+    if args.tilegym_winners:
+        from tests.benchmark.warm_compile import read_winners
+        try:
+            read_winners(args.tilegym_winners)
+        except ValueError as e:
+            parser.error(str(e))
     if args.replot:
         from ops.results.report import load
         if not args.plot:
@@ -502,7 +525,9 @@ def main(argv=None):
         if args.out and rows:           # after every shape: a run cut short keeps what it has
             from ops.results.report import write_csv
             device = torch.cuda.get_device_name()
-            write_csv(args.out, [{**r, "device": r.get("device") or device,
+            columns = dict.fromkeys(k for r in rows for k in r)     # (resumed rows may lack some)
+            write_csv(args.out, [{**dict.fromkeys(columns), **r,
+                                  "device": r.get("device") or device,
                                   "torch": r.get("torch") or torch.__version__} for r in rows])
     if args.plot and rows:
         plot(rows, args.plot, torch.cuda.get_device_name())

@@ -82,7 +82,7 @@ def probe_step(torch, shape, chunk, top, depth):
     from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _setup
     inputs, dout = _setup(shape)
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
-    step, _, _ = _autograd_step("cutile", chunk, leaves, dout)
+    step = _autograd_step("cutile", chunk, leaves, dout).step
     step()                                            # compile and tune outside the record
     for t in leaves.values():
         t.grad = None

@@ -33,7 +33,7 @@ def warm_step(impl, chunk, shape):
     inputs, dout = _setup(shape)
     leaves = {k: v.detach().clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
     step = (_tilegym_step(chunk, leaves, dout) if impl == "tilegym"
-            else _autograd_step(impl, chunk, leaves, dout))[0]
+            else _autograd_step(impl, chunk, leaves, dout)).step
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -255,11 +255,24 @@ def scaling_block(source):
     return scaling.markdown(rows), note
 
 
+def tilegym_dt_note(rows):
+    """Where TileGym's forward had its dt processed (it takes the processed step, the others fuse
+    it): the rows' ``tilegym_dt`` column ("in call": within the timed call), else outside it."""
+    if rows and all(r.get("tilegym_dt") == "in call" for r in rows):
+        return (" TileGym's dt is processed (bias, softplus) in PyTorch within its timed call, as"
+                " a model calling it must.")
+    return " TileGym is given dt already processed, outside its timed call."
+
+
 def tilegym_step_note(rows):
-    """How TileGym's training step was timed: in an autograd node with dt processed before it,
-    as ``fwd_bwd.py`` times it now (its rows then have ``bare_ms``, its two functions alone), or,
-    in a CSV made before that, as its two functions alone."""
-    if rows and all("bare_ms" in r for r in rows):
+    """How TileGym's training step was timed: rows with a ``bare_ms`` column ran its two functions
+    in an autograd node with dt processed before it (``fwd_bwd.py``'s ``TileGymScan``), rows
+    without it the two functions alone on a processed dt; rows of both kinds are refused."""
+    kinds = {"bare_ms" in r for r in rows}
+    if len(kinds) > 1:
+        raise ValueError("TileGym's training-step rows mix the two ways of timing it (with and "
+                         "without bare_ms): take them from one run")
+    if kinds == {True}:
         return (" TileGym, which ships its forward and backward as two functions, runs them in an"
                 " autograd node with dt's bias and softplus done in PyTorch before it, as a model"
                 " training through them would.")
@@ -281,7 +294,8 @@ def build_block(forward_rows, training_sources, recheck=None, forward_source=FOR
     fwd_chunks = chunks_text(fwd_used, "compute_chunk")
     fwd_note = (f"From {link(forward_source)}, on the {device}: bf16, {sizes}, D, dt_bias, softplus; "
                 "medians of `triton.testing.do_bench`. × Triton, × TileGym: their time ÷ ours. "
-                f"Chunks: {fwd_chunks}." + (f" Outputs within {agree} of Triton's." if agree else ""))
+                f"Chunks: {fwd_chunks}." + (f" Outputs within {agree} of Triton's." if agree else "")
+                + tilegym_dt_note(fwd_used["tilegym"]))
     where = link(names[0])
     for other in names[1:]:
         these = [m for m, r in zip(models, train_used[OURS]) if r["source"] == other]

@@ -892,8 +892,8 @@ def test_memory_probe_checks_its_shape(capsys):
 def test_fwd_bwd_resumes_an_earlier_run_shape_by_shape(tmp_path):
     """--resume keeps an earlier CSV's shapes whose every run it holds (and its rows of shapes
     not asked for), runs the rest, a shape measured in part again whole; a CSV made with --graph
-    the other way is refused, and so is one made before TileGym's rows were a training step
-    (no bare_ms column)."""
+    the other way is refused, and so is one whose TileGym rows have no bare_ms column (made
+    before TileGym's rows were a training step; its other rows are still good)."""
     from ops.results.report import write_csv
     from tests.benchmark import fwd_bwd
     shape = dict(batch=1, seqlen=4096, nheads=80, headdim=64, ngroups=1, dstate=64)
@@ -915,8 +915,12 @@ def test_fwd_bwd_resumes_an_earlier_run_shape_by_shape(tmp_path):
     with pytest.raises(SystemExit, match="--graph"):
         fwd_bwd.resumed(path, shapes, impls, [256], 64, graph=False)
     write_csv(path, [{k: v for k, v in r.items() if k != "bare_ms"} for r in earlier])
-    with pytest.raises(SystemExit, match="TileGym's step"):
+    with pytest.raises(SystemExit, match="TileGym rows have no bare_ms"):
         fwd_bwd.resumed(path, shapes, impls, [256], 64, graph=True)
+    write_csv(path, [{k: v for k, v in r.items() if k != "bare_ms"} for r in earlier
+                     if r["impl"] != "tilegym"])                     # no TileGym rows: kept
+    kept, left = fwd_bwd.resumed(path, shapes, ("triton", "cutile"), [256], 64, graph=True)
+    assert [name for name, _ in left] == ["c"] and len(kept) == 5
 
 
 def test_fwd_bwd_times_tilegym_in_a_training_step():
@@ -1017,8 +1021,11 @@ def test_work_count_counts_a_steps_kernels(tmp_path):
     contribution B^T (dt x) to its chunk's state takes, no more."""
     import torch
 
+    import cuda.tile as cuda_tile
+
     from ops.results.report import load
     from tests.benchmark import work_count
+    originals = (cuda_tile.launch, torch.cuda.current_stream)
     path = tmp_path / "work.csv"
     work_count.main(["--shape", "1x128x4x1", "--dstates", "32", "--chunks", "32",
                      "--out", str(path)])
@@ -1034,7 +1041,7 @@ def test_work_count_counts_a_steps_kernels(tmp_path):
     if work_count.tilegym_installed():
         theirs = [r for r in rows if r["impl"] == "tilegym"]
         assert theirs[-1]["kernel"] == "total" and theirs[-1]["macs"] > 0
-        assert torch.cuda.current_stream is not None           # restored
+        assert (cuda_tile.launch, torch.cuda.current_stream) == originals    # restored
 
 
 def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
@@ -1052,6 +1059,7 @@ def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
     import torch
     from cuda.tile.tune import Measurement, TuningResult
 
+    from tests.benchmark import warm_compile
     from tests.benchmark.warm_compile import tilegym_winners
     searched = []
 
@@ -1077,15 +1085,20 @@ def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
     args = lambda x: (lambda cfg: (x, cfg.BLOCK))
     path = tmp_path / "winners.json"
 
+    counts = []
+
     def run(cfgs, tensor=x, **options):
-        with tilegym_winners(path, **options):
-            return tg.exhaustive_search(cfgs, None, None, kernel, args(tensor)).best.config
+        with tilegym_winners(path, **options) as state:
+            found = tg.exhaustive_search(cfgs, None, None, kernel, args(tensor)).best.config
+        counts.append((state.reused, state.searched))
+        return found
     assert run(configs) is configs[1] and searched == [[1.0, 3.0, 2.0]]
-    assert tg.exhaustive_search is exhaustive_search
+    assert tg.exhaustive_search is exhaustive_search and counts[-1] == (0, 1)
     entry, = json.loads(path.read_text()).values()
     assert entry["config"] == repr(configs[1]) and entry["mean_us"] == pytest.approx(100 / 3)
+    assert entry["kernel"].endswith("kernel") and entry["args"][0] == "(4, 8) (8, 1) torch.float32"
     again = [SimpleNamespace(**vars(c)) for c in configs]          # a new process's list
-    assert run(again) is again[1] and len(searched) == 1
+    assert run(again) is again[1] and len(searched) == 1 and counts[-1] == (1, 0)
     assert run(configs, torch.randn(4, 16)) is configs[1] and len(searched) == 2
     assert run(configs[::2]) is configs[2] and len(searched) == 3
     before = path.read_text()
@@ -1093,6 +1106,26 @@ def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
     assert run(more, keep=False, part=1, nparts=2) is configs[1]      # its slice: 3.0, 0.5
     assert searched[-1] == [3.0, 0.5] and path.read_text() == before
     assert tg.exhaustive_search is exhaustive_search
+    assert len(json.loads(path.read_text())) == 3 and not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(warm_compile, "_versions", lambda: {"tilegym": "9.9"})    # an upgrade
+    assert run(configs) is configs[1] and len(searched) == 5          # searched again
+
+
+def test_a_bad_winners_file_is_refused_naming_it(tmp_path):
+    """fwd_bwd --tilegym-winners: a file that is not a winners file, or a path whose folder does
+    not exist, stops the run before any search, naming the file."""
+    from tests.benchmark import fwd_bwd
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    for path, says in ((bad, "not a winners file"), (tmp_path / "no" / "w.json", "does not exist")):
+        with pytest.raises(SystemExit):
+            fwd_bwd.main(["--tilegym-winners", str(path), "--models"])
+    from tests.benchmark.warm_compile import read_winners
+    with pytest.raises(ValueError, match="bad.json: not a winners file"):
+        read_winners(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_winners(tmp_path / "no" / "w.json")
+    assert read_winners(tmp_path / "new.json") == {}
 
 
 def test_fwd_bwd_warms_tilegym_once_per_specialization():

@@ -101,6 +101,19 @@ def test_the_note_says_how_tilegyms_step_was_timed():
                                   models=MODEL).split())
     assert "runs them in an autograd node with dt's bias and softplus done in PyTorch" in new
     assert "TileGym gets dt already processed" not in new
+    with pytest.raises(ValueError, match="mix the two ways"):       # two models, two runs
+        rt.tilegym_step_note([rows[2], training_rows()[2]])
+
+
+def test_the_note_says_where_tilegyms_forward_had_its_dt_processed():
+    """Forward rows whose tilegym_dt column says "in call" (bench_forward.py's rows) processed
+    TileGym's dt within the timed call; rows without it were given dt processed outside."""
+    text = lambda rows: " ".join(rt.build_block(rows, [("step.csv", training_rows())],
+                                                forward_source="fwd.csv", models=MODEL).split())
+    assert "TileGym is given dt already processed, outside its timed call." in text(forward_rows())
+    inside = text([dict(r, tilegym_dt="in call") for r in forward_rows()])
+    assert "TileGym's dt is processed (bias, softplus) in PyTorch within its timed call" in inside
+    assert "outside its timed call" not in inside
 
 
 def test_training_rows_come_from_the_first_csv_that_has_the_model():

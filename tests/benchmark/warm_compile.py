@@ -189,48 +189,92 @@ def tilegym_configs_sliced(part, nparts):
             getattr(tg, name, {}).clear()
 
 
+class TileGymWinners:
+    """The winners file's entries (``found``: key -> entry) and, since the context opened, how
+    many of TileGym's searches it answered (``reused``) and how many ran (``searched``)."""
+
+    def __init__(self, found):
+        self.found, self.reused, self.searched = found, 0, 0
+
+
+def read_winners(path):
+    """The entries of a winners file (``tilegym_winners``), {} where it does not exist yet; a file
+    that is not a JSON object of entries, or a path whose folder does not exist, is a
+    ValueError naming it (before any search is spent on it)."""
+    import json
+    import pathlib
+    path = pathlib.Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"--tilegym-winners {path}: its folder {path.parent} does not exist")
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"--tilegym-winners {path}: not a winners file ({e})") from None
+    if not isinstance(found, dict) or not all(isinstance(v, dict) and "config" in v
+                                              for v in found.values()):
+        raise ValueError(f"--tilegym-winners {path}: not a winners file (expected a JSON object "
+                         f"of entries with a config each)")
+    return found
+
+
+def _save_winner(path, key, entry):
+    """Add one entry to the file: read again, merged, written whole to a new file that then
+    replaces it (a run killed mid-write leaves the old file)."""
+    import json
+    import pathlib
+    path = pathlib.Path(path)
+    found = read_winners(path)
+    found[key] = entry
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+    os.replace(temporary, path)
+
+
 @contextlib.contextmanager
 def tilegym_winners(path, part=0, nparts=1, keep=True):
     """Within it, each of TileGym's autotuning searches (``cuda.tile.tune.exhaustive_search`` as
     its mamba2 module calls it) is first looked up in the JSON file ``path``: a search made
-    before, in any process, on the same GPU model, for the same kernel, the same arguments'
-    shapes, strides and dtypes and the same list of configs, gives back its winner without
-    timing anything (nor compiling the losers); any other search runs, as TileGym runs it, and
-    its winner is added to the file at once (a run cut short keeps what it found). TileGym's
-    searches are exhaustive and in memory only: 35-95 s a shape on an H200, most of a side by
-    side run; with its winners kept, a later run times the configs TileGym picked, and its
-    first step compiles only those. A file made on another GPU model finds nothing.
+    before, in any process, with the same TileGym and cuda.tile versions, on the same GPU model,
+    for the same kernel, the same arguments' shapes, strides and dtypes and the same list of
+    configs (``tilegym_search``), gives back its winner without timing anything (nor compiling
+    the losers); any other search runs, as TileGym runs it, and its winner is added to the file
+    at once (``_save_winner``: a run cut short keeps what it found). TileGym's searches are
+    exhaustive and in memory only, 35-95 s a shape on an H200: with their winners kept, a later
+    run times the configs TileGym's own search picked, and its first step compiles only those.
+    Each entry says what it was searched for (kernel, GPU, versions, arguments) and what won.
+    -> ``TileGymWinners`` (how many searches it answered and how many ran).
 
     ``keep`` False (a warm process of ``fwd_bwd.py --warm-procs``, timing on a shared GPU): a
     search the file does not hold times only every ``nparts``-th config from ``part`` on, to
     compile its share (as ``tilegym_configs_sliced``), and its winner is not kept, in the file
     or in TileGym's caches; prints are swallowed."""
     import io
-    import json
-    import pathlib
 
     import tilegym.ops.cutile.mamba2 as tg
     from cuda.tile.tune import Measurement, TuningResult
-    path = pathlib.Path(path)
-    found = json.loads(path.read_text()) if path.exists() else {}
+    state = TileGymWinners(read_winners(path))
     search = tg.exhaustive_search
 
     def remembered(configs, stream, grid_fn, kernel, args_fn, hints_fn=None, **options):
         configs = list(configs)
-        key = tilegym_search_key(configs, kernel, args_fn)
-        entry = found.get(key)
+        key, described = tilegym_search(configs, kernel, args_fn)
+        entry = state.found.get(key)
         names = [repr(c) for c in configs]
         if entry is not None and entry["config"] in names:
+            state.reused += 1
             best = Measurement(config=configs[names.index(entry["config"])],
                                mean_us=entry["mean_us"], num_samples=0, error_margin_us=0.0)
             return TuningResult(best=best, successes=[best], failures=[])
+        state.searched += 1
         if not keep:
             return search(configs[part::nparts] or configs[:1], stream, grid_fn, kernel, args_fn,
                           hints_fn, **options)
         result = search(configs, stream, grid_fn, kernel, args_fn, hints_fn, **options)
-        found[key] = dict(kernel=_kernel_label(kernel), config=repr(result.best.config),
-                          mean_us=result.best.mean_us)
-        path.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        entry = dict(described, config=repr(result.best.config), mean_us=result.best.mean_us)
+        state.found[key] = entry
+        _save_winner(path, key, entry)
         return result
     quiet = contextlib.nullcontext() if keep else contextlib.redirect_stdout(io.StringIO())
     if not keep:
@@ -239,7 +283,7 @@ def tilegym_winners(path, part=0, nparts=1, keep=True):
     tg.exhaustive_search = remembered
     try:
         with quiet:
-            yield found
+            yield state
     finally:
         tg.exhaustive_search = search
         if not keep:                                # winners among a slice: not the real ones
@@ -247,18 +291,33 @@ def tilegym_winners(path, part=0, nparts=1, keep=True):
                 getattr(tg, name, {}).clear()
 
 
-def tilegym_search_key(configs, kernel, args_fn):
-    """What one TileGym search's winner depends on: the GPU model, the kernel, its arguments'
-    shapes, strides and dtypes (and plain values) as the first config binds them, and the list
-    of configs searched; as one hex digest."""
+def tilegym_search(configs, kernel, args_fn):
+    """(key, description) of one TileGym search: what its winner depends on -- the TileGym and
+    cuda.tile versions, the GPU model, the kernel, its arguments' shapes, strides and dtypes (and
+    plain values) as the first config binds them, and the list of configs searched -- as a hex
+    digest, and the same in words for the file's readers (the config list as its length)."""
     import hashlib
 
     import torch
-    args = [(tuple(a.shape), tuple(a.stride()), str(a.dtype)) if torch.is_tensor(a) else repr(a)
+    args = [f"{tuple(a.shape)} {tuple(a.stride())} {a.dtype}" if torch.is_tensor(a) else repr(a)
             for a in args_fn(configs[0])]
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    text = repr((gpu, _kernel_label(kernel), args, [repr(c) for c in configs]))
-    return hashlib.sha256(text.encode()).hexdigest()
+    described = dict(kernel=_kernel_label(kernel), gpu=(torch.cuda.get_device_name()
+                                                        if torch.cuda.is_available() else "cpu"),
+                     versions=_versions(), args=args, configs=len(configs))
+    text = repr((described, [repr(c) for c in configs]))
+    return hashlib.sha256(text.encode()).hexdigest(), described
+
+
+def _versions():
+    import importlib.metadata as md
+    found = {}
+    for package, module in (("tilegym", "tilegym"), ("cuda-tile", "cuda.tile")):
+        try:
+            found[package] = md.version(package)
+        except md.PackageNotFoundError:
+            import importlib
+            found[package] = getattr(importlib.import_module(module), "__version__", "unknown")
+    return found
 
 
 def _kernel_label(kernel):

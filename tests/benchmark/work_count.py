@@ -1,7 +1,7 @@
 """How much work a training step's kernels ask for: this project's and TileGym's, kernel by kernel.
 
     python -m tests.benchmark.work_count [--shape 1x1024x32x1] [--dstates 64,128]
-        [--chunks 128,64] [--tilegym-chunk 64] [--out F.csv]
+        [--chunks 128,64] [--tilegym-chunk 64] [--tilegym-configs first,largest] [--out F.csv]
 
 A timing says how long a step took on one GPU; this says what its kernels asked of any GPU. One
 training step (forward with every input requiring a gradient, then ``out.backward(dout)``: bf16,
@@ -12,14 +12,20 @@ its arrays (``ops/interpreter/work.py`` says exactly what is counted). Per imple
 
     cutile    this project's step at each of ``--chunks``, computed at that chunk (the
               interpreter keeps the caller's chunk: ``ops/tuning/compute_chunk.py``), with the
-              kernels' default configs (the interpreter is not tuned; a tuned config moves work
-              between blocks, seldom changes it)
+              kernels' default configs (the interpreter is not tuned)
     tilegym   TileGym's step (``fwd_bwd.py``'s ``TileGymScan``) at ``--tilegym-chunk``, its
-              kernels run on the interpreter (``tilegym_on_interpreter``) with its first config
-              (its autotuning off); where TileGym is installed, else left out
+              kernels run on the interpreter (``tilegym_on_interpreter``), its autotuning off,
+              with each of ``--tilegym-configs``: its first config of every kernel, and the first
+              with the kernel's largest state tile; where TileGym is installed, else left out
+
+The multiply-adds do not depend on a config; the bytes do: a kernel that splits dstate into
+smaller tiles reads x and dout once per tile (TileGym's first configs take 16 columns of it).
+Which configs a GPU's search picks, the counts do not say (the ``configs`` column says which were
+counted).
 
 Rows (one per kernel, and a ``total`` row per step): the counts divided by the step's tokens x
 heads, so that shapes compare: ``macs``, ``loaded`` and ``stored`` (bytes) per token and head.
+``configs``: "defaults" (this project's), "first" or "largest state tiles" (TileGym's).
 The counts depend on the sizes, not on a machine, so the CSV is made on any CPU. Work a group's
 heads share (C Bᵀ, per group) is divided among its heads: the default shape has 32 heads in one
 group, near the model shapes' 24-80 (the 8B layer has 16 a group).
@@ -33,23 +39,40 @@ import torch
 FIELDS = ("launches", "blocks", "macs", "loaded", "stored")
 
 
+# Which of TileGym's configs a count takes: its lists' first, or their first with the largest
+# state tile (BLOCK_STATE) of each kernel.
+TILEGYM_CONFIGS = {"first": "first", "largest": "largest state tiles"}
+
+
 @contextlib.contextmanager
-def tilegym_on_interpreter():
+def tilegym_on_interpreter(configs="first"):
     """Within it, TileGym's cuTile kernels (its mamba2 module's ``ct.launch``) run on this
-    project's CPU interpreter, on CPU tensors, with its first config (its autotuning off and its
-    caches of winners emptied before and after); what its wrappers ask of CUDA (the current
-    stream, the multiprocessor count of an H200) is answered without a GPU."""
+    project's CPU interpreter, on CPU tensors, with its autotuning off (its caches of winners
+    emptied before and after), so with the first config of each list: as they are
+    (``configs`` "first"), or reordered largest state tile (BLOCK_STATE) first, stably
+    ("largest"); what its wrappers ask of CUDA (the current stream, the multiprocessor count
+    of an H200) is answered without a GPU."""
     import cuda.tile as ct
     import tilegym.ops.cutile.mamba2 as tg
 
     from ops import interpreter
-    from tests.benchmark.warm_compile import TILEGYM_TUNE_CACHES
+    from tests.benchmark.warm_compile import TILEGYM_CONFIG_LISTS, TILEGYM_TUNE_CACHES
+    if configs not in TILEGYM_CONFIGS:
+        raise ValueError(f"configs must be one of {sorted(TILEGYM_CONFIGS)}, got {configs!r}")
+
+    def largest_first(listing):
+        return lambda *a, **k: sorted(listing(*a, **k),
+                                      key=lambda c: -getattr(c, "BLOCK_STATE", 0))
 
     class Properties:
         multi_processor_count = 132
     saved = [(ct, "launch"), (torch.cuda, "current_stream"),
              (torch.cuda, "get_device_properties")]
+    if configs == "largest":
+        saved += [(tg, name) for name in TILEGYM_CONFIG_LISTS if hasattr(tg, name)]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
+    for owner, name, listing in saved[3:]:
+        setattr(owner, name, largest_first(listing))
     env = os.environ.get("TILEGYM_DISABLE_AUTOTUNE")
     os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"
     ct.launch = lambda stream, grid, kernel, args: interpreter.launch(grid, kernel, list(args))
@@ -82,10 +105,11 @@ def cutile_step(chunk, leaves, dout):
     return step
 
 
-def step_work(impl, chunk, shape, seed=0):
+def step_work(impl, chunk, shape, seed=0, configs="first"):
     """``ops.interpreter.Work`` of one training step of ``impl`` ("cutile" or "tilegym") at
     ``chunk`` on ``shape`` (batch, seqlen, nheads, headdim, ngroups, dstate): random bf16 inputs
-    from ``seed`` (``bench_forward.make_inputs``) and output gradient."""
+    from ``seed`` (``bench_forward.make_inputs``) and output gradient; TileGym's with
+    ``configs`` (``tilegym_on_interpreter``)."""
     from ops.interpreter import count_work
     from tests.benchmark.bench_forward import make_inputs
     from tests.benchmark.fwd_bwd import LEAVES, _tilegym_step
@@ -99,23 +123,25 @@ def step_work(impl, chunk, shape, seed=0):
         with count_work() as work:
             cutile_step(chunk, leaves, dout)()
         return work
-    with tilegym_on_interpreter() as tg:
+    with tilegym_on_interpreter(configs) as tg:
         step = _tilegym_step(chunk, leaves, dout, (tg.mamba2_chunk_forward,
-                                                   tg.mamba2_chunk_backward))[0]
+                                                   tg.mamba2_chunk_backward)).step
         with count_work() as work:
             step()
     return work
 
 
-def rows_of(work, impl, chunk, shape):
-    """One row per kernel and a ``total`` row: the counts per token and head (launches and
-    blocks as they are)."""
+def rows_of(work, impl, chunk, shape, configs="defaults"):
+    """One row per kernel (its function's name, and its module) and a ``total`` row: the counts
+    per token and head (launches and blocks as they are)."""
     per = shape["batch"] * shape["seqlen"] * shape["nheads"]
-    common = dict(impl=impl, chunk=chunk, **shape)
+    common = dict(impl=impl, chunk=chunk, configs=configs, **shape)
     rows = []
     for name, k in [*work.kernels.items(), ("total", work.total())]:
-        rows.append(dict(common, kernel=name, launches=k.launches, blocks=k.blocks,
-                         macs=k.macs / per, loaded=k.loaded / per, stored=k.stored / per))
+        module, _, function = name.rpartition(".")
+        rows.append(dict(common, kernel=function, module=module, launches=k.launches,
+                         blocks=k.blocks, macs=k.macs / per, loaded=k.loaded / per,
+                         stored=k.stored / per))
     return rows
 
 
@@ -133,6 +159,8 @@ def main(argv=None):
     parser.add_argument("--dstates", default="64,128")
     parser.add_argument("--chunks", default="128,64", help="this project's chunks")
     parser.add_argument("--tilegym-chunk", type=int, default=64, help="0: not TileGym")
+    parser.add_argument("--tilegym-configs", default="first,largest",
+                        help="TileGym's configs counted: first, largest (state tiles), or both")
     parser.add_argument("--out", help="CSV file to write")
     args = parser.parse_args(argv)
     try:
@@ -142,20 +170,27 @@ def main(argv=None):
     except ValueError:
         parser.error("--shape is batch x seqlen x nheads x ngroups; --dstates and --chunks "
                      "comma-separated integers")
-    runs = [("cutile", c) for c in chunks]
+    which = [c for c in args.tilegym_configs.split(",") if c]
+    if set(which) - set(TILEGYM_CONFIGS):
+        parser.error(f"--tilegym-configs: expected some of {', '.join(TILEGYM_CONFIGS)}, got "
+                     f"{args.tilegym_configs!r}")
+    runs = [("cutile", c, "defaults") for c in chunks]
     if args.tilegym_chunk:
         if tilegym_installed():
-            runs.append(("tilegym", args.tilegym_chunk))
+            runs += [("tilegym", args.tilegym_chunk, c) for c in which]
         else:
             print("TileGym is not installed: its step is left out", flush=True)
     rows = []
     for dstate in dstates:
         shape = dict(batch=batch, seqlen=seqlen, nheads=nheads, headdim=64, ngroups=ngroups,
                      dstate=dstate)
-        for impl, chunk in runs:
-            found = rows_of(step_work(impl, chunk, shape), impl, chunk, shape)
+        for impl, chunk, configs in runs:
+            work = step_work(impl, chunk, shape, configs=configs)
+            label = TILEGYM_CONFIGS.get(configs, configs)
+            found = rows_of(work, impl, chunk, shape, label)
             rows += found
-            print(f"== {impl} chunk {chunk}, dstate {dstate}: per token and head", flush=True)
+            print(f"== {impl} chunk {chunk}, dstate {dstate}, {label} configs: per token and "
+                  f"head", flush=True)
             for r in found:
                 print(f"  {r['kernel']:32s} {r['macs']:9.0f} multiply-adds  {r['loaded']:7.0f} B "
                       f"loaded  {r['stored']:6.0f} B stored  ({r['launches']} launches, "
