@@ -17,9 +17,9 @@ projects' kernels of one name stay apart), over the launches made while counting
   * ``loaded`` / ``stored``: bytes of the array elements that box accesses -- ``ct.load``,
     ``ct.store``, a tiled view's loads, stores and atomic stores -- read or wrote inside the
     array (a partial tile's padding is no memory traffic); gathers, scatters, raw-memory
-    accesses and the ``ct.atomic_*`` operations are not counted. Each access counts in full: a tile read twice (by two
-    blocks, or twice by one) is two reads, as the kernel asks for them; what a GPU's caches then
-    serve is not modelled.
+    accesses and the ``ct.atomic_*`` operations are not counted. Each access counts in full: a
+    tile read twice (by two blocks, or twice by one) is two reads, as the kernel asks for them;
+    what a GPU's caches then serve is not modelled.
 
 Counting costs a few operations per access; off (the default), one context-variable check.
 """

@@ -36,9 +36,6 @@ import os
 
 import torch
 
-FIELDS = ("launches", "blocks", "macs", "loaded", "stored")
-
-
 # Which of TileGym's configs a count takes: its lists' first, or their first with the largest
 # state tile (BLOCK_STATE) of each kernel.
 TILEGYM_CONFIGS = {"first": "first", "largest": "largest state tiles"}
@@ -66,13 +63,14 @@ def tilegym_on_interpreter(configs="first"):
 
     class Properties:
         multi_processor_count = 132
-    saved = [(ct, "launch"), (torch.cuda, "current_stream"),
-             (torch.cuda, "get_device_properties")]
+    listings = [name for name in TILEGYM_CONFIG_LISTS if hasattr(tg, name)]
+    replaced = [(ct, "launch"), (torch.cuda, "current_stream"),
+                (torch.cuda, "get_device_properties")]
+    replaced += [(tg, name) for name in listings] if configs == "largest" else []
+    saved = [(owner, name, getattr(owner, name)) for owner, name in replaced]
     if configs == "largest":
-        saved += [(tg, name) for name in TILEGYM_CONFIG_LISTS if hasattr(tg, name)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
-    for owner, name, listing in saved[3:]:
-        setattr(owner, name, largest_first(listing))
+        for name in listings:
+            setattr(tg, name, largest_first(getattr(tg, name)))
     env = os.environ.get("TILEGYM_DISABLE_AUTOTUNE")
     os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"
     ct.launch = lambda stream, grid, kernel, args: interpreter.launch(grid, kernel, list(args))
