@@ -91,11 +91,14 @@ def grid_points(seqlens=None, dstates=None):
 
 
 def _scan(impl):
+    """The scan of ``impl``: "triton", "cutile", or "interpret" (this project's kernels on the
+    CPU interpreter, for ``work_count.py``)."""
     if impl == "triton":
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
         return mamba_chunk_scan_combined
     from ops import mamba_chunk_scan_combined
-    return lambda *a, **k: mamba_chunk_scan_combined(*a, **k, backend="cutile")
+    backend = "interpret" if impl == "interpret" else "cutile"
+    return lambda *a, **k: mamba_chunk_scan_combined(*a, **k, backend=backend)
 
 
 class StepFunctions(NamedTuple):

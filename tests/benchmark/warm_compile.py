@@ -160,6 +160,13 @@ TILEGYM_TUNE_CACHES = ("_chunk_cumsum_tune_cache", "_fwd_pass_state_tune_cache",
                        "_compute_da_db_dc_ddt_tune_cache")
 
 
+def clear_tilegym_caches(tg):
+    """Empty TileGym's in-process caches of its searches' winners (module ``tg``), so that its
+    next calls search (or look up) afresh."""
+    for name in TILEGYM_TUNE_CACHES:
+        getattr(tg, name, {}).clear()
+
+
 @contextlib.contextmanager
 def tilegym_configs_sliced(part, nparts):
     """Within it, each of TileGym's autotuning lists is cut to every ``nparts``-th config from
@@ -175,8 +182,7 @@ def tilegym_configs_sliced(part, nparts):
             return every[part::nparts] or every[:1]
         return configs
     originals = {name: getattr(tg, name) for name in TILEGYM_CONFIG_LISTS if hasattr(tg, name)}
-    for name in TILEGYM_TUNE_CACHES:
-        getattr(tg, name, {}).clear()
+    clear_tilegym_caches(tg)
     try:
         for name, listing in originals.items():
             setattr(tg, name, sliced(listing))
@@ -185,8 +191,7 @@ def tilegym_configs_sliced(part, nparts):
     finally:
         for name, listing in originals.items():
             setattr(tg, name, listing)
-        for name in TILEGYM_TUNE_CACHES:            # winners among a slice: not the real ones
-            getattr(tg, name, {}).clear()
+        clear_tilegym_caches(tg)                    # winners among a slice: not the real ones
 
 
 class TileGymWinners:
@@ -256,10 +261,11 @@ def tilegym_winners(path, part=0, nparts=1, keep=True):
     from cuda.tile.tune import Measurement, TuningResult
     state = TileGymWinners(read_winners(path))
     search = tg.exhaustive_search
+    versions = _versions()
 
     def remembered(configs, stream, grid_fn, kernel, args_fn, hints_fn=None, **options):
         configs = list(configs)
-        key, described = tilegym_search(configs, kernel, args_fn)
+        key, described = tilegym_search(configs, kernel, args_fn, versions)
         entry = state.found.get(key)
         names = [repr(c) for c in configs]
         if entry is not None and entry["config"] in names:
@@ -278,8 +284,7 @@ def tilegym_winners(path, part=0, nparts=1, keep=True):
         return result
     quiet = contextlib.nullcontext() if keep else contextlib.redirect_stdout(io.StringIO())
     if not keep:
-        for name in TILEGYM_TUNE_CACHES:
-            getattr(tg, name, {}).clear()
+        clear_tilegym_caches(tg)
     tg.exhaustive_search = remembered
     try:
         with quiet:
@@ -287,15 +292,15 @@ def tilegym_winners(path, part=0, nparts=1, keep=True):
     finally:
         tg.exhaustive_search = search
         if not keep:                                # winners among a slice: not the real ones
-            for name in TILEGYM_TUNE_CACHES:
-                getattr(tg, name, {}).clear()
+            clear_tilegym_caches(tg)
 
 
-def tilegym_search(configs, kernel, args_fn):
+def tilegym_search(configs, kernel, args_fn, versions):
     """(key, description) of one TileGym search: what its winner depends on -- the TileGym and
-    cuda.tile versions, the GPU model, the kernel, its arguments' shapes, strides and dtypes (and
-    plain values) as the first config binds them, and the list of configs searched -- as a hex
-    digest, and the same in words for the file's readers (the config list as its length)."""
+    cuda.tile ``versions`` (``_versions``), the GPU model, the kernel, its arguments' shapes,
+    strides and dtypes (and plain values) as the first config binds them, and the list of configs
+    searched -- as a hex digest, and the same in words for the file's readers (the config list as
+    its length)."""
     import hashlib
 
     import torch
@@ -303,21 +308,16 @@ def tilegym_search(configs, kernel, args_fn):
             for a in args_fn(configs[0])]
     described = dict(kernel=_kernel_label(kernel), gpu=(torch.cuda.get_device_name()
                                                         if torch.cuda.is_available() else "cpu"),
-                     versions=_versions(), args=args, configs=len(configs))
+                     versions=versions, args=args, configs=len(configs))
     text = repr((described, [repr(c) for c in configs]))
     return hashlib.sha256(text.encode()).hexdigest(), described
 
 
 def _versions():
-    import importlib.metadata as md
-    found = {}
-    for package, module in (("tilegym", "tilegym"), ("cuda-tile", "cuda.tile")):
-        try:
-            found[package] = md.version(package)
-        except md.PackageNotFoundError:
-            import importlib
-            found[package] = getattr(importlib.import_module(module), "__version__", "unknown")
-    return found
+    """The TileGym and cuda.tile versions a winner was found with (``bench_forward``'s lookup)."""
+    from tests.benchmark.bench_forward import package_versions
+    versions = package_versions()
+    return {k: versions[k] for k in ("tilegym", "cuda_tile")}
 
 
 def _kernel_label(kernel):

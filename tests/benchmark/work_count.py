@@ -53,7 +53,7 @@ def tilegym_on_interpreter(configs="first"):
     import tilegym.ops.cutile.mamba2 as tg
 
     from ops import interpreter
-    from tests.benchmark.warm_compile import TILEGYM_CONFIG_LISTS, TILEGYM_TUNE_CACHES
+    from tests.benchmark.warm_compile import TILEGYM_CONFIG_LISTS, clear_tilegym_caches
     if configs not in TILEGYM_CONFIGS:
         raise ValueError(f"configs must be one of {sorted(TILEGYM_CONFIGS)}, got {configs!r}")
 
@@ -76,8 +76,7 @@ def tilegym_on_interpreter(configs="first"):
     ct.launch = lambda stream, grid, kernel, args: interpreter.launch(grid, kernel, list(args))
     torch.cuda.current_stream = lambda *a, **k: None
     torch.cuda.get_device_properties = lambda *a, **k: Properties()
-    for name in TILEGYM_TUNE_CACHES:
-        getattr(tg, name, {}).clear()
+    clear_tilegym_caches(tg)
     try:
         yield tg
     finally:
@@ -87,20 +86,7 @@ def tilegym_on_interpreter(configs="first"):
             del os.environ["TILEGYM_DISABLE_AUTOTUNE"]
         else:
             os.environ["TILEGYM_DISABLE_AUTOTUNE"] = env
-        for name in TILEGYM_TUNE_CACHES:
-            getattr(tg, name, {}).clear()
-
-
-def cutile_step(chunk, leaves, dout):
-    """This project's training step on the interpreter, as ``fwd_bwd.py`` makes it on a GPU."""
-    from ops import mamba_chunk_scan_combined
-
-    def step():
-        out = mamba_chunk_scan_combined(
-            leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
-            D=leaves["D"], dt_bias=leaves["dt_bias"], dt_softplus=True, backend="interpret")
-        out.backward(dout)
-    return step
+        clear_tilegym_caches(tg)
 
 
 def step_work(impl, chunk, shape, seed=0, configs="first"):
@@ -110,7 +96,7 @@ def step_work(impl, chunk, shape, seed=0, configs="first"):
     ``configs`` (``tilegym_on_interpreter``)."""
     from ops.interpreter import count_work
     from tests.benchmark.bench_forward import make_inputs
-    from tests.benchmark.fwd_bwd import LEAVES, _tilegym_step
+    from tests.benchmark.fwd_bwd import LEAVES, _autograd_step, _tilegym_step
     inputs = make_inputs(torch, "cpu", *(shape[k] for k in ("batch", "seqlen", "nheads",
                                                              "headdim", "ngroups", "dstate")),
                          "bfloat16", seed=seed)
@@ -119,7 +105,7 @@ def step_work(impl, chunk, shape, seed=0, configs="first"):
     leaves = {k: v.clone().requires_grad_(k in LEAVES) for k, v in inputs.items()}
     if impl == "cutile":
         with count_work() as work:
-            cutile_step(chunk, leaves, dout)()
+            _autograd_step("interpret", chunk, leaves, dout).step()
         return work
     with tilegym_on_interpreter(configs) as tg:
         step = _tilegym_step(chunk, leaves, dout, (tg.mamba2_chunk_forward,
