@@ -124,7 +124,7 @@ from ops.kernels.backward import bwd_pass_state as pass_state_module
 from ops.kernels.backward.bwd_chunk_cumsum import bwd_chunk_cumsum, bwd_chunk_cumsum_plan
 from ops.tuning.autotune import mode, tuner
 from ops.tuning.compute_chunk import kernel_chunk
-from ops.tuning.configs import resolve_config, unique
+from ops.tuning.configs import resolve_config
 from ops.runtime.launch import run
 from ops.inputs import as_kernel_input, check_values, with_canonical_strides
 from ops.checks import tile_size
@@ -195,8 +195,8 @@ def chain_space(name, shape):
     sizes = {k: v for k, v in shape.items() if k != "on_gpu"}
     default, space = module.default_config(**sizes), module.search_space(**sizes)
     if name == "bwd_pass_state":
-        default = {**default, **pass_state_walk(**sizes)}
-        space = unique([default] + [{**c, "FUSE_ENTRY": True} for c in space])
+        space = module.walk_space(**sizes)
+        default = space[0]
     elif name == "bwd_compute_out":
         space = [c for c in space if c["FUSE_STATES"] == default["FUSE_STATES"]]
     return default, space

@@ -136,23 +136,26 @@ def carried_weight(dA_rows, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX):
 
 
 def entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, g, pi, ni, CHUNK, BLOCK_T, BLOCK_P,
-                   BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS):
+                   BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS, acc, LOAD_LAT=0):
     """Tile (pi, ni) of dentry[c] for head h (of group g): the sum over the chunk's tokens of
     w[l] outer(dy[l], C[l]), (BLOCK_P, BLOCK_N) float32, over BLOCK_T-token tiles in order (the
-    tiles past seqlen skipped). ``bwd_entry_kernel``'s work, and ``bwd_pass_state``'s with
-    FUSE_ENTRY."""
+    tiles past seqlen skipped), added to ``acc`` (the products' accumulator: zeros for dentry
+    alone). ``bwd_entry_kernel``'s work, and ``bwd_pass_state``'s with FUSE_ENTRY, whose walk
+    may hand its carried gradient in as ``acc``. LOAD_LAT: the latency hint of the dy and C
+    loads (0: none)."""
     TILES = CHUNK // BLOCK_T
     valid = min(TILES, ct.cdiv(dy.shape[1] - c * CHUNK, BLOCK_T))
     op = dy.dtype if BF16_OPERANDS else ct.float32
-    acc = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     for t in range(valid):
         tile = c * TILES + t
         dA_t = chunk_tokens(dA_cumsum, b, h, c, t, BLOCK_T)
         w_t = carried_weight(dA_t, seq_idx, b, c, tile, CHUNK, BLOCK_T, HAS_SEQ_IDX)
         dy_t = ct.reshape(ct.load(dy, (b, tile, h, pi), shape=(1, BLOCK_T, 1, BLOCK_P),
-                                  padding_mode=ZERO), (BLOCK_T, BLOCK_P))
+                                  padding_mode=ZERO, latency=latency_hint(LOAD_LAT)),
+                          (BLOCK_T, BLOCK_P))
         c_t = ct.reshape(ct.load(C, (b, tile, g, ni), shape=(1, BLOCK_T, 1, BLOCK_N),
-                                 padding_mode=ZERO), (BLOCK_T, BLOCK_N))
+                                 padding_mode=ZERO, latency=latency_hint(LOAD_LAT)),
+                         (BLOCK_T, BLOCK_N))
         w_dy = (dy_t.astype(ct.float32) * w_t[:, None]).astype(op)
         acc = ct.mma(ct.transpose(w_dy), c_t.astype(op), acc)
     return acc

@@ -13,7 +13,10 @@ cache. It prints, per kernel, the default's time, the winner's and what each kno
 With ``--backward`` it does the same for the backward's four kernels too (``ops.backward``'s
 ``chain_space``: the variants the chain can run), through one ``kernel_backward`` call at the
 chunk given, which is the chunk the kernels compute at (a training step's backward computes at
-``ops/tuning/compute_chunk.py``'s chunk, 128 for a caller's 256 on an H200).
+``ops/tuning/compute_chunk.py``'s chunk, 128 for a caller's 256 on an H200). ``--backward-only``
+searches the backward's kernels alone: the forward's run the committed table's configs for the
+shape (their defaults where it has none), as a training step's would, and are neither compiled
+ahead nor timed.
 ``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``.
 """
 import argparse
@@ -106,12 +109,14 @@ def _backward(kw, shape, configs=None):
                                     configs=configs, input_dtypes=True, **args)
 
 
-def _candidates(shape, dtype, with_backward):
+def _candidates(shape, dtype, with_backward, with_forward=True):
     """(kernel, config) of every candidate a search times: the forward's kernels' search spaces
-    and, ``with_backward``, the backward chain's (``chain_space``; the chunk states' kernel only
-    where the chain runs it: its token kernel leaves their work to it)."""
+    (unless ``with_forward`` is False) and, ``with_backward``, the backward chain's
+    (``chain_space``; the chunk states' kernel only where the chain runs it: its token kernel
+    leaves their work to it)."""
     sizes = dict(shape, dtype=dtype, states_dtype=dtype)
-    work = [(name, cfg) for name, module in KERNELS.items() for cfg in module.search_space(**sizes)]
+    work = [(name, cfg) for name, module in KERNELS.items() for cfg in module.search_space(**sizes)
+            if with_forward]
     if with_backward:
         unfused = not chain_space("bwd_compute_out", sizes)[0]["FUSE_STATES"]
         for name in BACKWARD_KERNELS:
@@ -127,10 +132,11 @@ def _bytes_per_worker(shape, dtype):
     return size * (3 * b * L * h * p + 2 * b * L * g * n + b * -(-L // q) * h * p * n) + 8 * b * L * h
 
 
-def precompile(shape, dtype, features, jobs, out=sys.stderr, with_backward=False):
-    """Compile every candidate of the three forward kernels (and ``with_backward`` the
-    backward's) in ``jobs`` processes; returns the failures."""
-    work = _candidates(shape, dtype, with_backward)
+def precompile(shape, dtype, features, jobs, out=sys.stderr, with_backward=False,
+               with_forward=True):
+    """Compile every candidate of the three forward kernels (unless ``with_forward`` is False)
+    and, ``with_backward``, the backward's, in ``jobs`` processes; returns the failures."""
+    work = _candidates(shape, dtype, with_backward, with_forward)
     free = torch.cuda.mem_get_info()[0]
     per_worker = _bytes_per_worker(shape, dtype) * (3 if with_backward else 1)
     jobs = max(1, min(jobs, int(0.6 * free // max(1, per_worker))))
@@ -172,9 +178,18 @@ def knob_gains(entry, default):
     return gains
 
 
+def table_configs(shape, dtype, features):
+    """{forward kernel: config} at ``shape`` as the committed table gives it (the nearest tuned
+    shape's, else the kernel's default), whatever the tuner's mode: what a training step runs
+    when nothing was searched."""
+    sizes = dict(shape, dtype=dtype, states_dtype=dtype, on_gpu=True)
+    return {name: forward._choose(name, sizes, features, None, "table") for name in KERNELS}
+
+
 def search(args):
     if not torch.cuda.is_available():
         raise SystemExit("search needs a CUDA GPU (the candidates are timed on it)")
+    args.backward = args.backward or args.backward_only
     if args.cache:
         os.environ[autotune.ENV_CACHE] = args.cache
     dtype = getattr(torch, args.dtype)
@@ -187,22 +202,25 @@ def search(args):
         start = time.time()
         if args.jobs > 1:
             for name, cfg, message in precompile(shape, dtype, args.features, args.jobs,
-                                                  with_backward=args.backward):
+                                                  with_backward=args.backward,
+                                                  with_forward=not args.backward_only):
                 print(f"   {name}: {autotune._fmt(cfg)} does not run: {message}")
         compiled = time.time()
+        features = "".join(f for f in "Dzsi" if f in args.features)
+        fixed = table_configs(shape, dtype, features) if args.backward_only else None
         os.environ[autotune.ENV_SWITCH] = "1"
         autotune._TUNER = None                       # a fresh tuner on the chosen cache
         kw = make_inputs(shape, dtype, args.features)
-        forward.kernel_forward(**_forward_args(kw, shape))
+        forward.kernel_forward(**_forward_args(kw, shape), configs=fixed)
         if args.backward:
-            _backward(kw, shape)
+            _backward(kw, shape, configs=fixed)
         torch.cuda.synchronize()
         print(f"   compiled in {compiled - start:.0f} s, searched in {time.time() - compiled:.0f} s")
         tuner = autotune.tuner()
         memory = tuner._load()
         sizes = dict(shape, dtype=dtype, states_dtype=dtype, on_gpu=True)
-        features = "".join(f for f in "Dzsi" if f in args.features)
-        searched = list(dict.fromkeys(n for n, _ in _candidates(shape, dtype, args.backward)))
+        searched = list(dict.fromkeys(n for n, _ in _candidates(shape, dtype, args.backward,
+                                                                not args.backward_only)))
         for name in searched:
             if name in BACKWARD_KERNELS:
                 default, space = chain_space(name, sizes)
@@ -240,6 +258,9 @@ def main(argv=None):
     s.add_argument("--cache", help="the cache file to write (default: the tuner's)")
     s.add_argument("--backward", action="store_true",
                    help="search the backward's kernels too (at the chunk the kernels compute at)")
+    s.add_argument("--backward-only", action="store_true",
+                   help="search the backward's kernels alone (the forward's run the committed "
+                        "table's configs)")
     s.set_defaults(run=search)
     e = sub.add_parser("export", help="write caches' winners as a table")
     e.add_argument("caches", nargs="+")

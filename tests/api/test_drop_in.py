@@ -891,6 +891,37 @@ def test_the_parallel_compile_worker_runs_a_backward_candidate(monkeypatch):
         "chunk_cumsum", "fwd_pass_state", "compute_out"}
 
 
+def test_a_backward_only_search_runs_the_forward_at_the_tables_configs(monkeypatch):
+    """``search --backward-only``: the candidates are the backward chain's alone, and the
+    forward's kernels run the committed table's configs for the shape on that GPU (at the 2.7B
+    training shape, chunk 128, the table's compute_out: two heads per block, persistent), the
+    defaults on a GPU the table does not know."""
+    import json
+
+    from ops.forward import KERNELS
+    from ops.tuning import autotune
+    from ops.tools.tune import TABLE_PATH, _candidates, table_configs
+    shape = dict(batch=8, seqlen=2048, nheads=80, headdim=64, ngroups=1, dstate=128,
+                 chunk_size=128)
+    bf = torch.bfloat16
+    names = {n for n, _ in _candidates(shape, bf, with_backward=True, with_forward=False)}
+    assert names == {"bwd_compute_out", "bwd_pass_state", "bwd_chunk_cumsum"}
+    with open(TABLE_PATH) as f:
+        entry, = [e for e in json.load(f)["entries"] if e["kernel"] == "compute_out"
+                  and e["shape"] == dict({k: str(v) for k, v in shape.items()},
+                                         dtype="bfloat16", states_dtype="bfloat16",
+                                         features="D")]
+    monkeypatch.setattr(autotune, "_TUNER", None)
+    monkeypatch.setattr(autotune.Autotuner, "_device_name", lambda self: entry["device"])
+    on_h200 = table_configs(shape, bf, "D")
+    assert on_h200["compute_out"] == entry["config"] and entry["config"]["HEADS_PER_BLOCK"] == 2
+    monkeypatch.setattr(autotune, "_TUNER", None)
+    monkeypatch.setattr(autotune.Autotuner, "_device_name", lambda self: "another GPU")
+    sizes = dict(shape, dtype=bf, states_dtype=bf)
+    assert table_configs(shape, bf, "D") == {name: module.default_config(**sizes)
+                                              for name, module in KERNELS.items()}
+
+
 def test_the_parallel_compile_worker_never_searches(monkeypatch):
     """The search switches the tuner on in its own process before it spawns the next shape's
     workers, which inherit that: a worker must still run the other kernels at their defaults, not

@@ -15,6 +15,9 @@ token launches, one test per statement, read from the H200 measurements committe
                                  states launch's dstate slices, against the defaults
     bwd_pass_state_tiles_h200.csv  the pass over the states' tiles and hints
                                  (``bwd_pass_state.walk_config``), against the rule before
+    bwd_pass_state_walk_sass_sm90.csv  the walk's variants (``bwd_pass_state.walk_space``)
+                                 compiled for sm_90: static counts of their machine code
+                                 (``walk_sass.py``; no GPU), which PERF_NOTES.md quotes
 
 Each file is one ``config_sweep.py --what step`` run (a training step's scan through
 ``kernel_forward`` and ``kernel_backward``; every variant timed in each round, its best round
@@ -266,3 +269,30 @@ def test_what_the_walk_rule_did_not_take(walk):
             assert all(0.025 < m < 0.06 for m in more), (shape, more)
         assert walk[(shape, "bwd_pass_state:BLOCK_P=32,BLOCK_N=64,occupancy=2")] > default
         assert abs(walk[(shape, "bwd_pass_state:LOAD_LAT=8")] / default - 1) < 0.001
+
+
+@pytest.fixture(scope="module")
+def walk_code():
+    """{(dstate, config): row} of the walk's compiled variants."""
+    with open(RESULTS / "bwd_pass_state_walk_sass_sm90.csv", newline="") as f:
+        return {(int(r["dstate"]), r["config"]): r for r in csv.DictReader(f)}
+
+
+def test_the_walks_variants_as_compiled(walk_code):
+    """PERF_NOTES.md, "The walk's step, what it waits on": at every dstate ROW_PARTS takes the
+    block-wide barriers from 12 to 2 and the shared stores from 36 to 4; at dstate 64 CARRY_ACC
+    takes the instructions from 2704 to 1640 and the matrix instructions from 16 to 8, the
+    chain's own config runs 80 blocks of 255 registers, and the four keys on 32-column tiles at
+    four blocks per multiprocessor twice the blocks at 64 registers."""
+    together = "ENTRY_BLOCK_T=128 ENTRY_LAT=8 CARRY_ACC=True ROW_PARTS=True"
+    value = lambda dstate, config, key: int(walk_code[dstate, config][key])
+    for dstate in (64, 128, 256):
+        own = "chain's own"
+        assert (value(dstate, own, "bar"), value(dstate, "ROW_PARTS=True", "bar")) == (12, 2)
+        assert (value(dstate, own, "sts"), value(dstate, "ROW_PARTS=True", "sts")) == (36, 4)
+    assert value(64, "chain's own", "instructions") == 2704
+    assert value(64, "CARRY_ACC=True", "instructions") == 1640
+    assert (value(64, "chain's own", "mma"), value(64, "CARRY_ACC=True", "mma")) == (16, 8)
+    assert (value(64, "chain's own", "blocks"), value(64, "chain's own", "registers")) == (80, 255)
+    narrow = f"BLOCK_N=32 occupancy=4 {together}"
+    assert (value(64, narrow, "blocks"), value(64, narrow, "registers")) == (160, 64)

@@ -1044,6 +1044,19 @@ def test_work_count_counts_a_steps_kernels(tmp_path):
         assert (cuda_tile.launch, torch.cuda.current_stream) == originals    # restored
 
 
+def test_walk_sass_counts_the_walks_variants():
+    """walk_sass: a row per config of the walk's space, the chain's own first and named so,
+    the others by the keys they change; its launch's blocks and counts from the machine code;
+    a bad --dstates refused by the parser."""
+    from tests.benchmark import walk_sass
+    rows = walk_sass.rows("sm_90", (64,), limit=2)
+    assert [r["config"] for r in rows] == ["chain's own", "BLOCK_P=32"]
+    assert [r["blocks"] for r in rows] == [80, 160]
+    assert all(r["instructions"] > 0 and r["registers"] > 0 and r["mma"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        walk_sass.main(["--dstates", "64,x"])
+
+
 def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
     """warm_compile.tilegym_winners: a TileGym search (its module's exhaustive_search, stood in
     for here: the winner is the config with the largest ``speed``) runs once and its winner is

@@ -289,16 +289,24 @@ def test_the_pass_forming_dentry_itself_gives_the_same_gradients(launched, dtype
     compute_out's entry launch then the walk reading its dentry (FUSE_ENTRY=False): the same
     products over the same token tiles, so the same gradients up to the float32 sums' order
     inside a product (1e-6), with packed sequences, initial states, z and a ragged end, at the
-    default token tile and at 16. A config given for the pass without FUSE_ENTRY keeps it."""
+    default token tile and at 16, and with the walk's other keys (``walk_space``: the whole
+    chunk in one product, its loads' hint, the carried gradient as its accumulator, and d a[c]'s
+    partials per row, which bwd_chunk_cumsum then sums: 16 x 2 of them a chunk here). A config
+    given for the pass without FUSE_ENTRY keeps it."""
     from ops.backward import kernel_backward
-    kw = problem(dtype, seq=[20, 64], seqlen=77)
+    # A sequence starting at token 40, inside chunk 1: chunk 0's state carries into chunk 1's
+    # first tokens. A twentieth of the usual A: a chunk's decay is then e^-0.3 .. e^-3, not
+    # e^-60, so the pass' term of dA at chunk 0's end counts in dA and ddt.
+    kw = problem(dtype, seq=[40], seqlen=77)
+    kw["A"] = kw["A"] / 20
     dout = weights(kw).to(dtype)
     args = (dout, None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], 32)
     opts = dict(D=kw["D"], z=kw["z"], dt_bias=kw["dt_bias"], initial_states=kw["initial_states"],
                 seq_idx=kw["seq_idx"], **OPTIONS)
     want = kernel_backward(*args, **opts, configs={"bwd_pass_state": dict(FUSE_ENTRY=False)})
     assert "bwd_entry_kernel" in launched
-    for config in (None, dict(ENTRY_BLOCK_T=16)):
+    together = dict(ENTRY_BLOCK_T=32, ENTRY_LAT=8, CARRY_ACC=True, ROW_PARTS=True, BLOCK_N=16)
+    for config in (None, dict(ENTRY_BLOCK_T=16), together):
         launched.clear()
         got = kernel_backward(*args, **opts, configs={"bwd_pass_state": config})
         assert "bwd_entry_kernel" not in launched and "bwd_pass_state_kernel" in launched

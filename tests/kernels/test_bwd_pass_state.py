@@ -252,3 +252,98 @@ def test_the_search_space_starts_from_the_tiles_the_plan_runs():
     # what bwd_pass_state_plan resolves for the float32 entry states it is given
     runs = mod.default_config(headdim=64, dstate=128, dtype=torch.float32)
     assert mod.search_space(**shape)[0] == mod.default_config(**shape) == runs
+
+
+# The walk as the backward runs it (FUSE_ENTRY), and the variants of walk_space ----------------
+#
+# Each variant reorders float32 sums only: the dentry product's over tokens (one product a chunk
+# or one a 64-token tile, the decayed gradient added by the tensor cores or after) and the
+# partials of d dA[last] (one a tile, or one a headdim row of it, added later in order).
+
+WALK = dict(batch=1, nheads=4, headdim=64, dstate=128, chunk_size=128, dtype=torch.bfloat16,
+            states_dtype=torch.bfloat16)
+
+
+def walk_inputs(seed=11):
+    """bf16 dy, C and entry states as the backward has them: 1 x 300 tokens (three chunks of
+    128, the last short) x 4 heads in 2 groups, two sequences packed, float32 dfinal."""
+    kw = make_problem(batch=1, seqlen=300, nheads=4, headdim=64, ngroups=2, dstate=128,
+                      dtype=torch.float32, seed=seed, seq_boundaries=[150])
+    dt_out, dA = chunked.chunk_cumsum(kw["dt"], kw["A"], 128, kw["dt_bias"], True, (0.0, 1.5))
+    entry, final = chunked.fwd_pass_state(kw["x"], kw["B"], dt_out, dA, kw["initial_states"],
+                                          kw["seq_idx"])
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    return dict(dentry=None, dfinal=torch.randn(final.shape, generator=g), entry=entry.to(bf),
+                dA_cumsum=(dA * LOG2E).float(), seq_idx=kw["seq_idx"],
+                dy=torch.randn(kw["x"].shape, generator=g).to(bf), C=kw["C"].to(bf))
+
+
+@pytest.mark.parametrize("config", mod.walk_space(**WALK)[1:],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_walk_variant_matches_the_chains_own(config):
+    """Every variant of ``walk_space`` against the chain's own config (its first), dS in float32
+    to see the sums' order: dS, d dA[last] and dinitial within 1e-5 relative (observed under
+    1e-6)."""
+    p = walk_inputs()
+    want = bwd_pass_state(**p, poison=True, config=mod.walk_space(**WALK)[0])
+    got = bwd_pass_state(**p, poison=True, config=config)
+    for g_, w in zip(got, want, strict=True):
+        assert g_.shape == w.shape and rel_err(g_, w) < 1e-5, rel_err(g_, w)
+
+
+def test_walk_space():
+    """The chain's own config first; every key of the variants reaches the space, the narrow
+    tiles only where they give more blocks; no config past MAX_PARTS partials."""
+    space = mod.walk_space(**WALK)
+    assert space[0] == {**mod.default_config(**WALK), **mod.walk_config(**WALK)}
+    assert all(c["FUSE_ENTRY"] for c in space) and len(space) == len(mod.unique(space)) < 24
+    for key, value in (("ENTRY_BLOCK_T", 128), ("CARRY_ACC", True), ("ROW_PARTS", True),
+                       ("ENTRY_LAT", 8), ("BLOCK_N", 32)):
+        assert any(c[key] == value for c in space), key
+    at64 = mod.walk_space(**{**WALK, "dstate": 64, "batch": 1, "nheads": 80})
+    assert {c["BLOCK_N"] for c in at64} == {64, 32, 16}
+    wide = mod.walk_space(**{**WALK, "dstate": 512})
+    assert all(c["ROW_PARTS"] is False or 512 // c["BLOCK_N"] * c["BLOCK_P"] <= mod.MAX_PARTS
+               for c in wide)
+
+
+def test_row_parts_past_the_limit_are_refused():
+    p = walk_inputs()
+    with pytest.raises(ValueError, match="ROW_PARTS with 64 x 16 tiles"):
+        bwd_pass_state(**{**p, "entry": torch.zeros(1, 3, 4, 64, 1024, dtype=torch.bfloat16),
+                          "dfinal": None, "C": torch.zeros(1, 300, 2, 1024, dtype=torch.bfloat16)},
+                       config=dict(FUSE_ENTRY=True, ROW_PARTS=True, BLOCK_N=16))
+
+
+def walk_meta_plan(config, dstate):
+    """The walk at a 1 x 16K-token layer of 80 heads (64 x dstate, one group), bf16, chunk 128,
+    without dinitial: as the backward launches it."""
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")
+    return bwd_pass_state_plan(None, None, meta(1, 128, 80, 64, dstate),
+                               meta(1, 80, 128, 128, dt=torch.float32), None, config=config,
+                               ds_dtype=torch.bfloat16, dy=meta(1, 16384, 80, 64),
+                               C=meta(1, 16384, 1, dstate), with_dinitial=False)
+
+
+WALK_16K = dict(WALK, nheads=80, dstate=64)
+
+
+@pytest.mark.parametrize("config", mod.walk_space(**WALK_16K),
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_walk_space_compiles_for_sm_90(config):
+    from ops.tools.aot import compile_cubin
+    plan = walk_meta_plan(config, 64)
+    assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_100"])
+@pytest.mark.parametrize("dstate", [64, 128])
+def test_the_walks_new_keys_compile(arch, dstate):
+    """The four keys together (``walk_space``'s), on the chain's tiles and on 32 columns."""
+    from ops.tools.aot import compile_cubin
+    together = dict(ENTRY_BLOCK_T=128, ENTRY_LAT=8, CARRY_ACC=True, ROW_PARTS=True)
+    base = mod.walk_space(**dict(WALK_16K, dstate=dstate))[0]
+    for config in ({**base, **together}, {**base, **together, "BLOCK_N": 32}):
+        plan = walk_meta_plan(config, dstate)
+        assert compile_cubin(plan.kernel, plan.args, arch)[:4] == b"\x7fELF"

@@ -866,7 +866,8 @@ def bwd_entry_kernel(
     c = ct.bid(0) // (n_tiles * nheads)
     b = ct.bid(1)
     acc = entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group, pi, ni,
-                         CHUNK, BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS)
+                         CHUNK, BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS,
+                         ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32))
     ct.store(dentry, (b, c, h, pi, ni), ct.reshape(acc, (1, 1, 1, BLOCK_P, BLOCK_N)))
 
 

@@ -25,7 +25,10 @@ dS is written float32, or in another dtype (``ds_dtype``): ``ops/backward.py`` a
 bf16 inputs, whose chunk_states products round dS to bf16 anyway (half the bytes, the same bits
 downstream). Tunables (``default_config`` / ``search_space``): the state tile BLOCK_P x BLOCK_N
 (``common.state_tiles`` by default), LOAD_LAT (latency hint of the dentry and entry
-loads), STORE_LAT (of the dS stores), and the compiler hints occupancy and num_worker_warps.
+loads), STORE_LAT (of the dS stores), ROW_PARTS (d a[c]'s partials one per headdim row of a
+tile instead of one per tile: BLOCK_P times the partials, summed downstream in order), and the
+compiler hints occupancy and num_worker_warps; with FUSE_ENTRY (below) also ENTRY_BLOCK_T,
+ENTRY_LAT (the latency hint of the product's dy and C loads) and CARRY_ACC (``walk_space``).
 
 FUSE_ENTRY=True forms each chunk's dentry tile in the walk itself, from dy and C
 (``common.entry_gradient``, over ENTRY_BLOCK_T-token tiles), as the forward's pass
@@ -64,7 +67,8 @@ def bwd_pass_state_kernel(
     dA_cumsum: ct.IndexedWithInt64,    # (batch, nheads, nchunks, CHUNK) float32, log2 units
     seq_idx: ct.IndexedWithInt64,      # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
     dS: ct.IndexedWithInt64,           # (batch, nchunks, nheads, headdim, dstate), ds_dtype
-    da_parts,                          # (batch, nheads, nchunks, tiles) float32
+    da_parts,                          # (batch, nheads, nchunks, tiles) float32, with
+                                       # ROW_PARTS (..., tiles * BLOCK_P)
     dinitial,                          # (batch, nheads, headdim, dstate) float32; unwritten
                                        # unless WITH_DINITIAL
     dy: ct.IndexedWithInt64,           # (batch, seqlen, nheads, headdim); read if FUSE_ENTRY
@@ -81,6 +85,12 @@ def bwd_pass_state_kernel(
     LOAD_LAT: ConstInt,                # latency hint of the dentry and entry loads; 0 = none
     STORE_LAT: ConstInt,               # latency hint of the dS stores; 0 = none
     WITH_DINITIAL: ConstBool,          # carry the walk past chunk 0 to dinitial (else stop)
+    ENTRY_LAT: ConstInt,               # latency hint of dentry's product's dy and C loads
+                                       # (FUSE_ENTRY); 0 = none
+    CARRY_ACC: ConstBool,              # the carried gradient is that product's accumulator
+                                       # (FUSE_ENTRY)
+    ROW_PARTS: ConstBool,              # d a[c]'s partials per headdim row of the tile
+                                       # (BLOCK_P a tile), else one a tile
 ):
     tile_id, h, b = ct.bid(0), ct.bid(1), ct.bid(2)
     n_ptiles = ct.cdiv(entry.shape[3], BLOCK_P)
@@ -104,35 +114,53 @@ def bwd_pass_state_kernel(
             seq_start = ct.where(c == 0, 0, seq_start)       # id 0 before token 0
             a = ct.where(seq_end == seq_start, a, 0.0)
         e = chunk_state_tile(entry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
-        ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
+        if ROW_PARTS:
+            ct.store(da_parts, (b, h, c, tile_id),
+                     ct.reshape(ct.sum(g * e, axis=1) * a, (1, 1, 1, BLOCK_P)))
+        else:
+            ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
         # the gradient of the state before chunk c; before chunk 0 it is dinitial's alone, and
         # without initial states no one reads it: the walk stops there (no dentry for chunk 0)
         if WITH_DINITIAL:
             g = earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h,
                                  heads_per_group, pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
-                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT)
+                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT, ENTRY_LAT,
+                                 CARRY_ACC)
         elif c > 0:
             g = earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h,
                                  heads_per_group, pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
-                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT)
+                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT, ENTRY_LAT,
+                                 CARRY_ACC)
     if WITH_DINITIAL:
         ct.store(dinitial, (b, h, pi, ni), ct.reshape(g, (1, 1, BLOCK_P, BLOCK_N)))
 
 
 def earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h, heads_per_group, pi, ni,
                      CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, FUSE_ENTRY,
-                     BF16_OPERANDS, LOAD_LAT):
+                     BF16_OPERANDS, LOAD_LAT, ENTRY_LAT, CARRY_ACC):
     """One step of the walk: the gradient of chunk c's entry state (``g``, carried through the
     chunk's decay ``a``) plus chunk c's dentry, formed here from dy and C (FUSE_ENTRY) or
-    loaded: the gradient of the state before chunk c."""
+    loaded: the gradient of the state before chunk c. With CARRY_ACC the decayed gradient is
+    the product's accumulator (the tensor cores add it), else the product is formed from zeros
+    and added after."""
     if FUSE_ENTRY:
-        return a * g + entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, h // heads_per_group,
-                                      pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
-                                      HAS_SEQ_IDX, BF16_OPERANDS)
+        group = h // heads_per_group
+        if CARRY_ACC:
+            return entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, group, pi, ni, CHUNK,
+                                  ENTRY_BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX, BF16_OPERANDS,
+                                  a * g, ENTRY_LAT)
+        return a * g + entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, group, pi, ni, CHUNK,
+                                      ENTRY_BLOCK_T, BLOCK_P, BLOCK_N, HAS_SEQ_IDX,
+                                      BF16_OPERANDS, ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32),
+                                      ENTRY_LAT)
     return a * g + chunk_state_tile(dentry, b, c, h, pi, ni, BLOCK_P, BLOCK_N, LOAD_LAT)
 
 
 # Configs and launching -------------------------------------------------------------------------
+
+# The most partials of d a[c] a chunk may have (ROW_PARTS): ``bwd_chunk_cumsum`` loads a chunk's
+# partials of a block of heads as one tile, in registers.
+MAX_PARTS = 256
 
 def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
     """The kernel as first written: ``state_tiles``' tiles for the entry states' dtype as this
@@ -144,7 +172,8 @@ def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
         states = torch.float32
     bp, bn = state_tiles(headdim, dstate, states)
     return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
-                num_worker_warps=None, FUSE_ENTRY=False, ENTRY_BLOCK_T=64)
+                num_worker_warps=None, FUSE_ENTRY=False, ENTRY_BLOCK_T=64, ENTRY_LAT=0,
+                CARRY_ACC=False, ROW_PARTS=False)
 
 
 def walk_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
@@ -188,13 +217,59 @@ def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
     return unique(configs)
 
 
+def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
+    """The walk's variants as ``ops/backward.py`` runs it (FUSE_ENTRY), the chain's own config
+    (``default_config`` with ``walk_config``'s keys) first: ``search_space``'s, fused, and
+    those of how a step forms its chunk's dentry product, what the step waits on being the
+    walk's time (one block per state tile walks every chunk in turn):
+      * the whole chunk in one product (ENTRY_BLOCK_T = the chunk) instead of 64-token tiles
+        in a loop whose trip count is only known at run time (the last chunk may be short);
+      * the latency hint on the product's dy and C loads (ENTRY_LAT), which no other key
+        reaches;
+      * the decayed gradient as the product's accumulator (CARRY_ACC): one add and one
+        (BLOCK_P, BLOCK_N) tile fewer a step;
+      * d a[c]'s partials per headdim row (ROW_PARTS): a row sum per step instead of a sum over
+        the whole tile, whose last stage crosses the block's warps (compiled for sm_90, the
+        walk's block-wide barriers go from 12 to 2);
+      * all four together, also on narrower dstate tiles (32 and 16 columns) at two and four
+        blocks per multiprocessor: more blocks walking at once where one per head leaves
+        multiprocessors idle (batch 1, 80 heads, dstate 64: 80 blocks for 132).
+    Every config gives the same gradients to float32 rounding (the order of the product's sums
+    and of the partials' additions). Which is fastest at a shape is the tuner's to say
+    (``python -m ops.tools.tune search --backward-only``; the committed table keeps the
+    winners), not the machine code's: with CARRY_ACC the product waits for the carried
+    gradient, where before only the add did. What each compiles to:
+    ``tests/benchmark/results/bwd_pass_state_walk_sass_sm90.csv`` (``walk_sass.py``; PERF_NOTES.md,
+    "The walk's step, what it waits on")."""
+    sizes = dict(headdim=headdim, dstate=dstate, **shape)
+    base = {**default_config(**sizes), **walk_config(**sizes)}
+    configs = [base] + [{**c, "FUSE_ENTRY": True}
+                        for c in search_space(batch=batch, nheads=nheads, **sizes)]
+    whole = min(chunk_size, 256)
+    together = dict(ENTRY_BLOCK_T=whole, ENTRY_LAT=8, CARRY_ACC=True, ROW_PARTS=True)
+    configs += [{**base, "ENTRY_BLOCK_T": whole}, {**base, "ENTRY_LAT": 4},
+                {**base, "ENTRY_LAT": 8}, {**base, "CARRY_ACC": True},
+                {**base, "ROW_PARTS": True}, {**base, **together}]
+    for bn in (32, 16):
+        if bn < min(base["BLOCK_N"], tile_size(dstate)):
+            configs += [{**base, **together, "BLOCK_N": bn, "occupancy": occupancy}
+                        for occupancy in (2, 4)]
+
+    def parts(c):                   # d a[c]'s partials a chunk, as the plan counts them
+        bp, bn = min(c["BLOCK_P"], tile_size(headdim)), min(c["BLOCK_N"], tile_size(dstate))
+        return cdiv(headdim, bp) * cdiv(dstate, bn) * (bp if c["ROW_PARTS"] else 1)
+    return unique([c for c in configs if parts(c) <= MAX_PARTS])
+
+
 def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=None,
                         block_n=None, poison=False, config=None, ds_dtype=torch.float32,
                         dy=None, C=None, with_dinitial=True):
-    """The launch (an ``ops.runtime.launch.Plan``; outputs dS (in ``ds_dtype``), the per-tile partials of
-    d dA[last], dinitial; ``with_dinitial=False``: None for dinitial, and the walk stops after
-    chunk 0's dS, without that chunk's dentry). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
-    ``search_space`` (or part of one; missing keys take ``default_config``'s values);
+    """The launch (an ``ops.runtime.launch.Plan``; outputs dS (in ``ds_dtype``), the partials
+    of d dA[last] (one a state tile, or one a row of it with ROW_PARTS), dinitial;
+    ``with_dinitial=False``: None for dinitial, and the walk stops after chunk 0's dS, without
+    that chunk's dentry). ``dfinal`` may be None (a zero gradient). ``config``: a dict from
+    ``search_space`` or ``walk_space`` (or part of one; missing keys take ``default_config``'s
+    values);
     ``block_p`` / ``block_n``, when given, override its tiles. With FUSE_ENTRY the kernel forms
     dentry itself from ``dy`` (b, L, h, p) and ``C`` (b, L, g, n), contiguous, which it then
     needs, and ``dentry`` is not read (None will do)."""
@@ -211,8 +286,13 @@ def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=
     if ds_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"ds_dtype must be float32, bfloat16 or float16, got {ds_dtype}")
     tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
+    row_parts = bool(cfg["ROW_PARTS"])
+    parts = tiles * (bp if row_parts else 1)
+    if parts > MAX_PARTS:
+        raise ValueError(f"ROW_PARTS with {bp} x {bn} tiles of a {headdim} x {dstate} state makes "
+                         f"{parts} partials a chunk, over {MAX_PARTS}: take wider tiles")
     dS = new_output(entry.shape, ds_dtype, entry.device, poison)
-    da_parts = new_output((batch, nheads, nchunks, tiles), torch.float32, entry.device, poison)
+    da_parts = new_output((batch, nheads, nchunks, parts), torch.float32, entry.device, poison)
     dinitial = (new_output((batch, nheads, headdim, dstate), torch.float32, entry.device, poison)
                 if with_dinitial else None)
     seq_idx = as_int32(seq_idx)
@@ -225,7 +305,7 @@ def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=
             nheads // C.shape[2] if fuse else 1, chunk_size, bp, bn,
             min(cfg["ENTRY_BLOCK_T"], chunk_size), dfinal is not None, seq_idx is not None, fuse,
             fuse and dy.dtype == torch.bfloat16, cfg["LOAD_LAT"], cfg["STORE_LAT"],
-            bool(with_dinitial))
+            bool(with_dinitial), cfg["ENTRY_LAT"], bool(cfg["CARRY_ACC"]), row_parts)
     kernel = with_hints(fit_index_width(bwd_pass_state_kernel, args, cfg["INDEX64"]), cfg)
     return Plan((tiles, nheads, batch), kernel, args, (dS, da_parts, dinitial))
 
