@@ -285,11 +285,13 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     dy = {"dy (x's dtype)": tokens * e} if z else {}          # else dout itself
     dinit = {"dinitial": final} if initial_states else {}
     held["dD"] = nheads * (headdim if D == 2 else 1) * f32
-    # the pass' term of d dA at each chunk's last token, one partial per state tile, alive until
-    # bwd_chunk_cumsum sums it (as the token tiles' ddA_tiles, when the token kernel is fused)
-    ps_tiles = (-(-headdim // min(ps_cfg["BLOCK_P"], tile_size(headdim)))
-                * -(-dstate // min(ps_cfg["BLOCK_N"], tile_size(dstate))))
-    last = {"d dA[last] partials": chunked // chunk_size * ps_tiles}
+    # the pass' term of d dA at each chunk's last token, one partial per state tile (per row of
+    # one with ROW_PARTS), alive until bwd_chunk_cumsum sums it (as the token tiles' ddA_tiles,
+    # when the token kernel is fused)
+    ps_rows = min(ps_cfg["BLOCK_P"], tile_size(headdim))
+    ps_tiles = -(-headdim // ps_rows) * -(-dstate // min(ps_cfg["BLOCK_N"], tile_size(dstate)))
+    ps_parts = ps_tiles * (ps_rows if ps_cfg["ROW_PARTS"] else 1)
+    last = {"d dA[last] partials": chunked // chunk_size * ps_parts}
     recompute = {**base, "entry states": states * se, "final state": final}
     if z:
         recompute["y (pre-gate)"] = tokens * e

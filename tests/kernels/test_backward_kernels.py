@@ -524,6 +524,29 @@ def test_the_accounting_of_kept_intermediates():
     assert parts(2) == 64 * parts(1)
 
 
+def test_the_accounting_counts_the_pass_partials_the_plan_makes():
+    """The pass' partials of d dA[last] as ``memory_accounting`` counts them are the bytes of
+    the buffer ``bwd_pass_state_plan`` allocates, one a state tile by default and one a row of
+    it with ROW_PARTS (64 x 32 tiles of a 64 x 128 state: 4 tiles, 256 rows a chunk)."""
+    import ops.backward as bwd
+    from ops.kernels.backward.bwd_pass_state import bwd_pass_state_plan
+    shape = dict(batch=2, seqlen=2048, nheads=8, headdim=64, ngroups=1, dstate=128,
+                 chunk_size=128)
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")
+    for config in ({}, {"ROW_PARTS": True, "BLOCK_N": 32}, {"ROW_PARTS": True}):
+        counted = bwd.memory_accounting(**shape, configs={"bwd_pass_state": config})
+        config = bwd.pass_config({"bwd_pass_state": config}, headdim=64, dstate=128,
+                                 dtype=torch.bfloat16)
+        plan = bwd_pass_state_plan(None, None, meta(2, 16, 8, 64, 128),
+                                   meta(2, 8, 16, 128, dt=torch.float32), None, config=config,
+                                   ds_dtype=torch.bfloat16, dy=meta(2, 2048, 8, 64),
+                                   C=meta(2, 2048, 1, 128), with_dinitial=False)
+        made = plan.outputs[1]
+        assert counted["pass_state"]["d dA[last] partials"] == made.numel() * 4
+        assert made.shape[-1] == {False: 2, True: 2 * 64}[config["ROW_PARTS"]] * (
+            64 // config["BLOCK_N"])
+
+
 @pytest.mark.gpu
 def test_peak_memory_on_gpu():
     """One forward + backward (autograd, as a training step runs it) at batch 2 x 2K tokens, 16

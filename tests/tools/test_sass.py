@@ -222,6 +222,53 @@ def test_64_bit_indexing_trades_tma_for_cp_async():
     assert cp_async.mma == tma.mma
 
 
+@ct.kernel
+def axes_probe_5(src, b, c, T: ct.Constant[int]):
+    """c = (one (T, T) tile of a five-axis array) @ b, per block."""
+    tile = ct.reshape(ct.load(src, index=(ct.bid(0), 0, 0, 0, 0), shape=(1, 1, 1, T, T)), (T, T))
+    acc = ct.mma(tile, ct.load(b, index=(0, 0), shape=(T, T)), ct.zeros((T, T), dtype=ct.float32))
+    ct.store(c, index=(ct.bid(0), 0), tile=acc)
+
+
+@ct.kernel
+def axes_probe_6(src, b, c, T: ct.Constant[int]):
+    """axes_probe_5 with one more (unit) axis in front of the array."""
+    tile = ct.reshape(ct.load(src, index=(0, ct.bid(0), 0, 0, 0, 0), shape=(1, 1, 1, 1, T, T)),
+                      (T, T))
+    acc = ct.mma(tile, ct.load(b, index=(0, 0), shape=(T, T)), ct.zeros((T, T), dtype=ct.float32))
+    ct.store(c, index=(ct.bid(0), 0), tile=acc)
+
+
+def test_more_than_five_axes_trade_tma_for_cp_async():
+    """A tensor map has at most five dimensions: the same operand tile of the same bytes
+    arrives by TMA (UTMALDG) from a five-axis array and by loads every thread issues from a
+    six-axis one (LDG here; cp.async, LDGSTS, where the compiler pipelines them in a loop, as
+    in the states launch before its d(C B^T) partials lost their sixth axis).
+    Hence every array the project's kernels read has at most five axes (the pair kernel's
+    d(C B^T) partials fold their splits into the batch axis:
+    ``bwd_compute_out.dcb_tile``; ``test_every_launch_passes_arrays_of_at_most_five_axes``)."""
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")
+    b, c = meta(64, 64), meta(256, 64, dt=torch.float32)
+    five = sass.sass_report(axes_probe_5, (meta(4, 2, 2, 64, 64), b, c, 64), "sm_90")
+    six = sass.sass_report(axes_probe_6, (meta(1, 4, 2, 2, 64, 64), b, c, 64), "sm_90")
+    assert five.mma == six.mma
+    per_thread = ("LDG", "LDGSTS")
+    assert five.count("UTMALDG") == 2 and five.count(*per_thread) == 0     # both operands
+    assert six.count("UTMALDG") == 1 and six.count(*per_thread) > 0        # b's alone
+
+
+def test_every_launch_passes_arrays_of_at_most_five_axes():
+    """Every launch of a training step and an inference call (every option on, at dstate 128
+    and 256: ``sass.pipeline_launches``) hands its kernels tensors of at most five axes, so
+    that none of their loads falls back from TMA to cp.async for want of a tensor map
+    (``test_more_than_five_axes_trade_tma_for_cp_async``)."""
+    for dstate in (128, 256):
+        for kernel, args in sass.pipeline_launches(seqlen=512, nheads=8, dstate=dstate,
+                                                   chunk_size=128):
+            axes = [a.dim() for a in args if isinstance(a, torch.Tensor)]
+            assert max(axes) <= 5, (sass.kernel_name(kernel), axes)
+
+
 def test_launch_specialization_is_what_makes_fast_code():
     """Compiled for arbitrary arrays (``ops.tools.aot``'s signature) the same kernel loads every
     element with a separate 2-byte load; specialized on contiguous, aligned tensors, as a

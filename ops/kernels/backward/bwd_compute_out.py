@@ -70,7 +70,7 @@ The pair kernel first (PAIRS, the default)
     stores it for the token kernel), then for each of its heads in order dG = dy_i x_j^T and
     the decays, and writes that head's two sums of dG G (per column: ddt's and, times dt,
     ddA's; per row: ddA's) and adds dCB into a (BLOCK_T, BLOCK_T) float32 sum over its heads,
-    written once: the head-split partials (pair splits, b, c, g, CHUNK, CHUNK). The token
+    written once: the head-split partials (pair splits x b, c, g, CHUNK, CHUNK). The token
     kernel then forms only G (for dx) per head and pair, reads the sums, and its first head
     block of each group adds the pair partials in order and makes dB and dC's quadratic part
     with two products per pair instead of two per head and pair: 80 times fewer at a 2.7B
@@ -279,12 +279,17 @@ def own_state_terms(dS, ddA_tiles, x_t, b_t, decay, v, dB_acc, grad_dA, b, c, h,
     return dB_acc, dv * decay, grad_dA - dvv, ds
 
 
-def dcb_tile(dcb_parts, b, c, g, i, j, BLOCK_T, LOAD_LAT):
-    """Tile (i, j) of chunk c's d(C B^T) for group g: the pair kernel's head-split partials
-    added in order, (BLOCK_T, BLOCK_T) float32."""
+def dcb_tile(dcb_parts, batch, b, c, g, i, j, BLOCK_T, LOAD_LAT):
+    """Tile (i, j) of chunk c's d(C B^T) for group g of batch row b (of ``batch``): the pair
+    kernel's head-split partials added in order, (BLOCK_T, BLOCK_T) float32. The partials are
+    (splits * batch, nchunks, ngroups, CHUNK, CHUNK), split s of row b at s * batch + b: five
+    axes, not six, because a tensor of more than five is not copied with TMA: with six, the
+    states launch loaded these tiles with per-thread cp.async (``LDGSTS``), and compiled for
+    sm_90 to 6616 instructions against 4176 with five (``ops.tools.sass.pipeline_launches`` at
+    1 x 2K tokens x 80 heads, dstate 128, chunk 128; ``tests/tools/test_sass.py``)."""
     acc = ct.zeros((BLOCK_T, BLOCK_T), dtype=ct.float32)
-    for s in range(dcb_parts.shape[0]):
-        t = ct.load(dcb_parts, (s, b, c, g, i, j), shape=(1, 1, 1, 1, BLOCK_T, BLOCK_T),
+    for s in range(dcb_parts.shape[0] // batch):
+        t = ct.load(dcb_parts, (s * batch + b, c, g, i, j), shape=(1, 1, 1, BLOCK_T, BLOCK_T),
                     latency=latency_hint(LOAD_LAT))
         acc = acc + ct.reshape(t, (BLOCK_T, BLOCK_T))
     return acc
@@ -296,12 +301,13 @@ def group_quadratic(dcb_parts, B, C, dB_acc, dC_acc, b, c, g, t, valid, TILES, B
     kernel's d(C B^T) summed over the group's heads (its head splits added in order): dB over
     the row tiles i >= t, dC over the column tiles j <= t. Once per group, not once per head.
     Over dstate slice k (N columns)."""
+    batch = B.shape[0]
     for i in range(t, valid):
-        d_it = dcb_tile(dcb_parts, b, c, g, i, t, BLOCK_T, LOAD_LAT).astype(op)
+        d_it = dcb_tile(dcb_parts, batch, b, c, g, i, t, BLOCK_T, LOAD_LAT).astype(op)
         c_i = token_rows(C, b, c * TILES + i, g, BLOCK_T, N, LOAD_LAT, k)
         dB_acc = ct.mma(ct.transpose(d_it), c_i.astype(op), dB_acc)
     for j in range(t + 1):
-        d_tj = dcb_tile(dcb_parts, b, c, g, t, j, BLOCK_T, LOAD_LAT).astype(op)
+        d_tj = dcb_tile(dcb_parts, batch, b, c, g, t, j, BLOCK_T, LOAD_LAT).astype(op)
         b_j = token_rows(B, b, c * TILES + j, g, BLOCK_T, N, LOAD_LAT, k)
         dC_acc = ct.mma(d_tj, b_j.astype(op), dC_acc)
     return dB_acc, dC_acc
@@ -332,7 +338,7 @@ def bwd_compute_out_kernel(
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
                                         # (ops/kernels/common.py, or bwd_pairs_kernel with
                                         # PAIRS); unread unless SCORES_IN_MEMORY
-    dcb_parts: ct.IndexedWithInt64,     # (pair splits, batch, nchunks, ngroups, CHUNK, CHUNK)
+    dcb_parts: ct.IndexedWithInt64,     # (pair splits * batch, nchunks, ngroups, CHUNK, CHUNK)
                                         # float32, bwd_pairs_kernel's; unread unless PAIRS
     cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32 and
     rows: ct.IndexedWithInt64,          # the same: bwd_pairs_kernel's sums; unread unless PAIRS
@@ -478,7 +484,8 @@ def bwd_pairs_kernel(
     dA_cumsum: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK) float32, log2 units
     seq_idx: ct.IndexedWithInt64,       # (batch, seqlen) int32; unread if not HAS_SEQ_IDX
     scores: ct.IndexedWithInt64,        # (batch, nchunks, ngroups, CHUNK, CHUNK) float32 C B^T
-    dcb_parts: ct.IndexedWithInt64,     # (splits, batch, nchunks, ngroups, CHUNK, CHUNK) float32
+    dcb_parts: ct.IndexedWithInt64,     # (splits * batch, nchunks, ngroups, CHUNK, CHUNK)
+                                        # float32: split s of batch row b at s * batch + b
     cols: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
     rows: ct.IndexedWithInt64,          # (batch, nheads, nchunks, TILES, CHUNK) float32
     heads_per_group: int,
@@ -491,7 +498,7 @@ def bwd_pairs_kernel(
     LOAD_LAT: ConstInt,                 # latency hint of the tile loads (0: none)
 ):
     splits = heads_per_group // heads_per_block
-    head_blocks = dcb_parts.shape[3] * splits
+    head_blocks = dcb_parts.shape[2] * splits
     hblock = ct.bid(0) % head_blocks
     pair = ct.bid(0) // head_blocks
     b = ct.bid(1)
@@ -529,8 +536,8 @@ def bwd_pairs_kernel(
             ct.store(rows, (b, h, c, j, i),
                      ct.reshape(ct.sum(dG_cb * dt_j[None, :], axis=1), (1, 1, 1, 1, BLOCK_T)))
             acc = acc + dG_m * dt_j[None, :]
-        ct.store(dcb_parts, (split, b, c, g, i, j),
-                 ct.reshape(acc, (1, 1, 1, 1, BLOCK_T, BLOCK_T)))
+        ct.store(dcb_parts, (split * x.shape[0] + b, c, g, i, j),
+                 ct.reshape(acc, (1, 1, 1, BLOCK_T, BLOCK_T)))
 
 
 @ct.kernel
@@ -552,7 +559,7 @@ def bwd_token_states_kernel(
                                         # unless WITH_STATES
     ddA_tiles: ct.IndexedWithInt64,     # (batch, nheads, nchunks, CHUNK // BLOCK_T * SLICES)
                                         # float32; unwritten unless WITH_STATES
-    dcb_parts: ct.IndexedWithInt64,     # (pair splits, batch, nchunks, ngroups, CHUNK, CHUNK)
+    dcb_parts: ct.IndexedWithInt64,     # (pair splits * batch, nchunks, ngroups, CHUNK, CHUNK)
     heads_per_group: int,
     heads_per_block: int,
     CHUNK: ConstInt,
@@ -1353,7 +1360,8 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                              f"{nheads // ngroups} heads of a group")
         psplits = (nheads // ngroups) // phb
         scores = new_scores(B, chunk_size, poison)
-        dcb_parts = new_output((psplits, batch, nchunks, ngroups, chunk_size, chunk_size),
+        # (five axes: split s of batch row b at s * batch + b; see dcb_tile)
+        dcb_parts = new_output((psplits * batch, nchunks, ngroups, chunk_size, chunk_size),
                                torch.float32, device, poison)
         sums = (batch, nheads, nchunks, chunk_size // bt, chunk_size)
         cols = new_output(sums, torch.float32, device, poison)
@@ -1397,7 +1405,7 @@ def bwd_compute_out_plan(dy, x, B, C, dt_out, dA_cumsum, entry_states, seq_idx=N
                 ddt, ddA, ds_arg, stand_in(ddA_tiles, 4), stand_in(D, 2),
                 stand_in(dD_parts, 4),
                 entry_states if scores is None else scores,      # (never read without scores)
-                *(stand_in(t, n) for t, n in zip(pair_outputs, (6, 5, 5))),
+                *(stand_in(t, 5) for t in pair_outputs),
                 nheads // ngroups, hb, chunk_size, bt, tile_size(headdim),
                 tile_size(dstate), seq_idx is not None, bf16, dS is not None, D is not None,
                 scores is not None, cfg["PAIRS"], cfg["LOAD_LAT"])
