@@ -18,6 +18,9 @@ token launches, one test per statement, read from the H200 measurements committe
     bwd_pass_state_walk_sass_sm90.csv  the walk's variants (``bwd_pass_state.walk_space``)
                                  compiled for sm_90: static counts of their machine code
                                  (``walk_sass.py``; no GPU), which PERF_NOTES.md quotes
+    autotune_backward_chunk128_h100.json  the backward's kernels searched alone on an H100
+                                 (``python -m ops.tools.tune search --backward-only``): every
+                                 candidate's time, the walk's variants among them
 
 Each file is one ``config_sweep.py --what step`` run (a training step's scan through
 ``kernel_forward`` and ``kernel_backward``; every variant timed in each round, its best round
@@ -279,12 +282,12 @@ def walk_code():
 
 
 def test_the_walks_variants_as_compiled(walk_code):
-    """PERF_NOTES.md, "The walk's step, what it waits on": at every dstate ROW_PARTS takes the
-    block-wide barriers from 12 to 2 and the shared stores from 36 to 4; at dstate 64 CARRY_ACC
-    takes the instructions from 2704 to 1640 and the matrix instructions from 16 to 8, the
-    chain's own config runs 80 blocks of 255 registers, and the four keys on 32-column tiles at
-    four blocks per multiprocessor twice the blocks at 64 registers."""
-    together = "ENTRY_BLOCK_T=128 ENTRY_LAT=8 CARRY_ACC=True ROW_PARTS=True"
+    """PERF_NOTES.md, "The walk's step": at every dstate ROW_PARTS takes the block-wide
+    barriers from 12 to 2 and the shared stores from 36 to 4; at dstate 64 CARRY_ACC takes the
+    instructions from 2704 to 1640 and the matrix instructions from 16 to 8, the chain's own
+    config runs 80 blocks of 255 registers, and the whole chunk, its hint and the row partials
+    on 32-column tiles at four blocks per multiprocessor twice the blocks at 64 registers."""
+    together = "ENTRY_BLOCK_T=128 ENTRY_LAT=8 ROW_PARTS=True"
     value = lambda dstate, config, key: int(walk_code[dstate, config][key])
     for dstate in (64, 128, 256):
         own = "chain's own"
@@ -296,3 +299,40 @@ def test_the_walks_variants_as_compiled(walk_code):
     assert (value(64, "chain's own", "blocks"), value(64, "chain's own", "registers")) == (80, 255)
     narrow = f"BLOCK_N=32 occupancy=4 {together}"
     assert (value(64, narrow, "blocks"), value(64, narrow, "registers")) == (160, 64)
+
+
+@pytest.fixture(scope="module")
+def walk_times():
+    """{(dstate, changed keys): speedup over the chain's config} of the walk on the H100."""
+    from ops.results.tuning_report import changes, load
+    entries = load(RESULTS / "autotune_backward_chunk128_h100.json", chunk_size=128)
+    walks = [e for e in entries if e["kernel"] == "bwd_pass_state"]
+    assert {e["device"] for e in walks} == {"NVIDIA H100 80GB HBM3"} and len(walks) == 3
+    return {(e["shape"]["dstate"], tuple(sorted(changes(cfg, e["default"])))):
+            e["default_ms"] / ms for e in walks for ms, cfg in e["timings"]}
+
+
+NEW_KEYS = {"ENTRY_BLOCK_T", "ENTRY_LAT", "CARRY_ACC", "ROW_PARTS"}
+
+
+def test_the_walk_takes_one_key_at_a_time(walk_times):
+    """PERF_NOTES.md, "The walk's step": on the H100 the whole chunk in one product is 1.53x
+    the chain's config at 16K x dstate 64, the accumulator 1.31x at the 2.7B shape and 1.38x at
+    64K x dstate 256, where 32 x 128 tiles at two blocks do best (1.44x); no pair or set of the
+    new keys beats the best at its shape, all four 0.92-1.19x; and at the 2.7B
+    shape the 64 x 128 tiles without hints are 1.14x the walk_config's 64 x 64 at two blocks."""
+    def speedup(dstate, *changes):
+        return walk_times[dstate, tuple(sorted(changes))]
+    assert round(speedup(64, "ENTRY_BLOCK_T"), 2) == 1.53
+    assert round(speedup(128, "CARRY_ACC"), 2) == 1.31
+    assert round(speedup(256, "CARRY_ACC"), 2) == 1.38
+    best = {d: max(v for (dd, _), v in walk_times.items() if dd == d) for d in (64, 128, 256)}
+    assert best == {64: speedup(64, "ENTRY_BLOCK_T"), 128: speedup(128, "CARRY_ACC"),
+                    256: speedup(256, "BLOCK_P", "BLOCK_N")}
+    assert round(best[256], 2) == 1.44
+    for (dstate, changes), v in walk_times.items():
+        if len(NEW_KEYS & set(changes)) > 1:
+            assert v < best[dstate], (dstate, changes)
+    four = [round(walk_times[d, tuple(sorted(NEW_KEYS))], 2) for d in (64, 128, 256)]
+    assert min(four) == 0.92 and max(four) == 1.19
+    assert round(speedup(128, "BLOCK_N", "LOAD_LAT", "occupancy"), 2) == 1.14

@@ -231,25 +231,32 @@ def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
       * d a[c]'s partials per headdim row (ROW_PARTS): a row sum per step instead of a sum over
         the whole tile, whose last stage crosses the block's warps (compiled for sm_90, the
         walk's block-wide barriers go from 12 to 2);
-      * all four together, also on narrower dstate tiles (32 and 16 columns) at two and four
-        blocks per multiprocessor: more blocks walking at once where one per head leaves
+      * the whole chunk with the hint and the row partials, with and without the accumulator,
+        and pairs of them; the three on narrower dstate tiles (32 and 16 columns) at two and
+        four blocks per multiprocessor: more blocks walking at once where one per head leaves
         multiprocessors idle (batch 1, 80 heads, dstate 64: 80 blocks for 132).
     Every config gives the same gradients to float32 rounding (the order of the product's sums
-    and of the partials' additions). Which is fastest at a shape is the tuner's to say
-    (``python -m ops.tools.tune search --backward-only``; the committed table keeps the
-    winners), not the machine code's: with CARRY_ACC the product waits for the carried
-    gradient, where before only the add did. What each compiles to:
-    ``tests/benchmark/results/bwd_pass_state_walk_sass_sm90.csv`` (``walk_sass.py``; PERF_NOTES.md,
-    "The walk's step, what it waits on")."""
+    and of the partials' additions). Timed alone on an H100 at chunk 128 (``python -m
+    ops.tools.tune search --backward-only``; ``tests/benchmark/results/
+    autotune_backward_chunk128_h100.json``), the best at each shape changes one thing, and no
+    pair or set of the new keys beat it: the whole chunk
+    1.53x the chain's config at 1 x 16K tokens x 80 heads of dstate 64, the accumulator 1.31x
+    at the 2.7B training shape and 1.38x at 64K x dstate 256 (where 32 x 128 tiles at two
+    blocks did best, 1.44x); all four together 0.92-1.19x. The machine code's
+    counts did not rank them (``tests/benchmark/results/bwd_pass_state_walk_sass_sm90.csv``,
+    ``walk_sass.py``: ROW_PARTS takes the block-wide barriers from 12 to 2 and was 1.11-1.36x).
+    The winners are the table's H100 entries; PERF_NOTES.md, "The walk's step"."""
     sizes = dict(headdim=headdim, dstate=dstate, **shape)
     base = {**default_config(**sizes), **walk_config(**sizes)}
     configs = [base] + [{**c, "FUSE_ENTRY": True}
                         for c in search_space(batch=batch, nheads=nheads, **sizes)]
     whole = min(chunk_size, 256)
-    together = dict(ENTRY_BLOCK_T=whole, ENTRY_LAT=8, CARRY_ACC=True, ROW_PARTS=True)
+    together = dict(ENTRY_BLOCK_T=whole, ENTRY_LAT=8, ROW_PARTS=True)
     configs += [{**base, "ENTRY_BLOCK_T": whole}, {**base, "ENTRY_LAT": 4},
                 {**base, "ENTRY_LAT": 8}, {**base, "CARRY_ACC": True},
-                {**base, "ROW_PARTS": True}, {**base, **together}]
+                {**base, "ROW_PARTS": True}, {**base, "ENTRY_BLOCK_T": whole, "ENTRY_LAT": 8},
+                {**base, "ENTRY_BLOCK_T": whole, "ROW_PARTS": True}, {**base, **together},
+                {**base, **together, "CARRY_ACC": True}]
     for bn in (32, 16):
         if bn < min(base["BLOCK_N"], tile_size(dstate)):
             configs += [{**base, **together, "BLOCK_N": bn, "occupancy": occupancy}
