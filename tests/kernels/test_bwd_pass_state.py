@@ -303,9 +303,12 @@ def test_walk_space():
         assert any(c[key] == value for c in space), key
     at64 = mod.walk_space(**{**WALK, "dstate": 64, "batch": 1, "nheads": 80})
     assert {c["BLOCK_N"] for c in at64} == {64, 32, 16}
-    wide = mod.walk_space(**{**WALK, "dstate": 512})
-    assert all(c["ROW_PARTS"] is False or 512 // c["BLOCK_N"] * c["BLOCK_P"] <= mod.MAX_PARTS
-               for c in wide)
+    # row partials: headdim 64's rows times dstate's column tiles, whatever the row tile; at
+    # dstate 256 in 64-column tiles 256 of them (the limit), at 512 over it
+    at256 = mod.walk_space(**{**WALK, "dstate": 256})
+    assert any(c["ROW_PARTS"] for c in at256)
+    assert all(not c["ROW_PARTS"] or 64 * (256 // c["BLOCK_N"]) <= mod.MAX_PARTS for c in at256)
+    assert not any(c["ROW_PARTS"] for c in mod.walk_space(**{**WALK, "dstate": 512}))
 
 
 def test_row_parts_past_the_limit_are_refused():
