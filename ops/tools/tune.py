@@ -14,9 +14,9 @@ With ``--backward`` it does the same for the backward's four kernels too (``ops.
 ``chain_space``: the variants the chain can run), through one ``kernel_backward`` call at the
 chunk given, which is the chunk the kernels compute at (a training step's backward computes at
 ``ops/tuning/compute_chunk.py``'s chunk, 128 for a caller's 256 on an H200). ``--backward-only``
-searches the backward's kernels alone: the forward's run the committed table's configs for the
-shape (their defaults where it has none), as a training step's would, and are neither compiled
-ahead nor timed.
+searches the backward's kernels alone: the forward's run the configs a first call takes with
+``MAMBA2_CUTILE_AUTOTUNE=table`` (the cache's winner, else the committed table's, else the
+default), and are neither compiled ahead nor timed.
 ``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``.
 """
 import argparse
@@ -179,9 +179,10 @@ def knob_gains(entry, default):
 
 
 def table_configs(shape, dtype, features):
-    """{forward kernel: config} at ``shape`` as the committed table gives it (the nearest tuned
-    shape's, else the kernel's default), whatever the tuner's mode: what a training step runs
-    when nothing was searched."""
+    """{forward kernel: config} at ``shape`` as a first call gets it with
+    ``MAMBA2_CUTILE_AUTOTUNE=table``, whatever the tuner's mode: the tuner's cache's winner for
+    the shape where it has one, else the committed table's (the nearest tuned shape's), else the
+    kernel's default."""
     sizes = dict(shape, dtype=dtype, states_dtype=dtype, on_gpu=True)
     return {name: forward._choose(name, sizes, features, None, "table") for name in KERNELS}
 
@@ -259,8 +260,8 @@ def main(argv=None):
     s.add_argument("--backward", action="store_true",
                    help="search the backward's kernels too (at the chunk the kernels compute at)")
     s.add_argument("--backward-only", action="store_true",
-                   help="search the backward's kernels alone (the forward's run the committed "
-                        "table's configs)")
+                   help="search the backward's kernels alone (the forward's run the configs a "
+                        "first call takes with MAMBA2_CUTILE_AUTOTUNE=table)")
     s.set_defaults(run=search)
     e = sub.add_parser("export", help="write caches' winners as a table")
     e.add_argument("caches", nargs="+")

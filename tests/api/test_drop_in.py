@@ -891,7 +891,7 @@ def test_the_parallel_compile_worker_runs_a_backward_candidate(monkeypatch):
         "chunk_cumsum", "fwd_pass_state", "compute_out"}
 
 
-def test_a_backward_only_search_runs_the_forward_at_the_tables_configs(monkeypatch):
+def test_a_backward_only_search_runs_the_forward_at_the_tables_configs(monkeypatch, tmp_path):
     """``search --backward-only``: the candidates are the backward chain's alone, and the
     forward's kernels run the committed table's configs for the shape on that GPU (at the 2.7B
     training shape, chunk 128, the table's compute_out: two heads per block, persistent), the
@@ -911,6 +911,7 @@ def test_a_backward_only_search_runs_the_forward_at_the_tables_configs(monkeypat
                   and e["shape"] == dict({k: str(v) for k, v in shape.items()},
                                          dtype="bfloat16", states_dtype="bfloat16",
                                          features="D")]
+    monkeypatch.setenv(autotune.ENV_CACHE, str(tmp_path / "cache.json"))     # an empty cache
     monkeypatch.setattr(autotune, "_TUNER", None)
     monkeypatch.setattr(autotune.Autotuner, "_device_name", lambda self: entry["device"])
     on_h200 = table_configs(shape, bf, "D")

@@ -291,8 +291,8 @@ def test_the_pass_forming_dentry_itself_gives_the_same_gradients(launched, dtype
     inside a product (1e-6), with packed sequences, initial states, z and a ragged end, at the
     default token tile and at 16, and with the walk's other keys (``walk_space``: the whole
     chunk in one product, its loads' hint, the carried gradient as its accumulator, and d a[c]'s
-    partials per row, which bwd_chunk_cumsum then sums: 16 x 2 of them a chunk here). A config
-    given for the pass without FUSE_ENTRY keeps it."""
+    partials per row, which bwd_chunk_cumsum then sums: 16 a chunk here, one 16 x 16 tile). A
+    config given for the pass without FUSE_ENTRY keeps it."""
     from ops.backward import kernel_backward
     # A sequence starting at token 40, inside chunk 1: chunk 0's state carries into chunk 1's
     # first tokens. A twentieth of the usual A: a chunk's decay is then e^-0.3 .. e^-3, not
@@ -305,7 +305,7 @@ def test_the_pass_forming_dentry_itself_gives_the_same_gradients(launched, dtype
                 seq_idx=kw["seq_idx"], **OPTIONS)
     want = kernel_backward(*args, **opts, configs={"bwd_pass_state": dict(FUSE_ENTRY=False)})
     assert "bwd_entry_kernel" in launched
-    together = dict(ENTRY_BLOCK_T=32, ENTRY_LAT=8, CARRY_ACC=True, ROW_PARTS=True, BLOCK_N=16)
+    together = dict(ENTRY_BLOCK_T=32, ENTRY_LAT=8, CARRY_ACC=True, ROW_PARTS=True)
     for config in (None, dict(ENTRY_BLOCK_T=16), together):
         launched.clear()
         got = kernel_backward(*args, **opts, configs={"bwd_pass_state": config})

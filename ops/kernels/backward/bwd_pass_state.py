@@ -25,10 +25,11 @@ dS is written float32, or in another dtype (``ds_dtype``): ``ops/backward.py`` a
 bf16 inputs, whose chunk_states products round dS to bf16 anyway (half the bytes, the same bits
 downstream). Tunables (``default_config`` / ``search_space``): the state tile BLOCK_P x BLOCK_N
 (``common.state_tiles`` by default), LOAD_LAT (latency hint of the dentry and entry
-loads), STORE_LAT (of the dS stores), ROW_PARTS (d a[c]'s partials one per headdim row of a
-tile instead of one per tile: BLOCK_P times the partials, summed downstream in order), and the
-compiler hints occupancy and num_worker_warps; with FUSE_ENTRY (below) also ENTRY_BLOCK_T,
-ENTRY_LAT (the latency hint of the product's dy and C loads) and CARRY_ACC (``walk_space``).
+loads), STORE_LAT (of the dS stores), and the compiler hints occupancy and num_worker_warps;
+``walk_space``, the variants of the walk with FUSE_ENTRY (below), adds ROW_PARTS (d a[c]'s
+partials one per headdim row of a tile instead of one per tile: BLOCK_P times the partials,
+summed downstream in order), ENTRY_BLOCK_T, ENTRY_LAT (the latency hint of the product's dy
+and C loads) and CARRY_ACC.
 
 FUSE_ENTRY=True forms each chunk's dentry tile in the walk itself, from dy and C
 (``common.entry_gradient``, over ENTRY_BLOCK_T-token tiles), as the forward's pass
@@ -186,8 +187,9 @@ def walk_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
     without the two blocks the 64-column tiles were 3-6% slower at the first two (at most 1.4%
     faster at the third), 32 x 64 tiles at two blocks slower at all three, and LOAD_LAT 8
     alone changed nothing (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``).
-    Narrower tiles (float32 entry states, dstate's tile 64 and below) are left as they are:
-    untimed."""
+    Narrower tiles (float32 entry states, dstate's tile 64 and below) are left as they are. What
+    beats these keys differs by shape and GPU (``walk_space``'s docstring): the table holds the
+    winners."""
     tiles = default_config(headdim=headdim, dstate=dstate, dtype=dtype, states_dtype=states_dtype)
     if tiles["BLOCK_N"] < 128:
         return {"FUSE_ENTRY": True}
@@ -238,8 +240,8 @@ def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
     Every config gives the same gradients to float32 rounding (the order of the product's sums
     and of the partials' additions). Timed alone on an H100 at chunk 128 (``python -m
     ops.tools.tune search --backward-only``; ``tests/benchmark/results/
-    autotune_backward_chunk128_h100.json``), the best at each shape changes one thing, and no
-    pair or set of the new keys beat it: the whole chunk
+    autotune_backward_chunk128_h100.json``), the best at each shape changes one key or the
+    tiles, and no pair or set of the new keys beat it: the whole chunk
     1.53x the chain's config at 1 x 16K tokens x 80 heads of dstate 64, the accumulator 1.31x
     at the 2.7B training shape and 1.38x at 64K x dstate 256 (where 32 x 128 tiles at two
     blocks did best, 1.44x); all four together 0.92-1.19x. The machine code's
@@ -295,7 +297,7 @@ def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=
     tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
     row_parts = bool(cfg["ROW_PARTS"])
     parts = tiles * (bp if row_parts else 1)
-    if parts > MAX_PARTS:
+    if row_parts and parts > MAX_PARTS:
         raise ValueError(f"ROW_PARTS with {bp} x {bn} tiles of a {headdim} x {dstate} state makes "
                          f"{parts} partials a chunk, over {MAX_PARTS}: take wider tiles")
     dS = new_output(entry.shape, ds_dtype, entry.device, poison)
