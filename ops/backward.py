@@ -127,7 +127,6 @@ from ops.tuning.compute_chunk import kernel_chunk
 from ops.tuning.configs import resolve_config
 from ops.runtime.launch import run
 from ops.inputs import as_kernel_input, check_values, with_canonical_strides
-from ops.checks import tile_size
 from ops.kernels.common import as_int32, sum_splits
 
 Tensor = torch.Tensor
@@ -288,9 +287,8 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     # the pass' term of d dA at each chunk's last token, one partial per state tile (per row of
     # one with ROW_PARTS), alive until bwd_chunk_cumsum sums it (as the token tiles' ddA_tiles,
     # when the token kernel is fused)
-    ps_rows = min(ps_cfg["BLOCK_P"], tile_size(headdim))
-    ps_tiles = -(-headdim // ps_rows) * -(-dstate // min(ps_cfg["BLOCK_N"], tile_size(dstate)))
-    ps_parts = ps_tiles * (ps_rows if ps_cfg["ROW_PARTS"] else 1)
+    ps_parts = pass_state_module.da_partials(headdim, dstate, ps_cfg["BLOCK_P"], ps_cfg["BLOCK_N"],
+                                             ps_cfg["ROW_PARTS"])
     last = {"d dA[last] partials": chunked // chunk_size * ps_parts}
     recompute = {**base, "entry states": states * se, "final state": final}
     if z:

@@ -26,6 +26,7 @@ Counting costs a few operations per access; off (the default), one context-varia
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 # The counts being made on this thread (``count_work``); None when not counting.
 COUNTING = contextvars.ContextVar("interpreter_work", default=None)
@@ -61,18 +62,13 @@ class Work:
 
     def mma(self, x_shape, y_shape):
         """A product of tiles shaped ``(..., M, K)`` and ``(..., K, N)``."""
-        batch = 1
-        for size in x_shape[:-2]:
-            batch *= size
-        self._current.macs += batch * x_shape[-2] * x_shape[-1] * y_shape[-1]
+        self._current.macs += math.prod(x_shape[:-2]) * x_shape[-2] * x_shape[-1] * y_shape[-1]
 
     def access(self, kind, array, region):
         """A box access of ``kind`` ("load" or "store") to the elements of ``array`` (an
         interpreter ``Array``) that ``region`` selects: one slice per axis, already cut to the
         array (so in whatever axis order the access saw it)."""
-        elements = 1
-        for part in region:
-            elements *= part.stop - part.start
+        elements = math.prod(part.stop - part.start for part in region)
         nbytes = elements * array._t.element_size()
         if kind == "load":
             self._current.loaded += nbytes

@@ -115,8 +115,8 @@ def _candidates(shape, dtype, with_backward, with_forward=True):
     (``chain_space``; the chunk states' kernel only where the chain runs it: its token kernel
     leaves their work to it)."""
     sizes = dict(shape, dtype=dtype, states_dtype=dtype)
-    work = [(name, cfg) for name, module in KERNELS.items() for cfg in module.search_space(**sizes)
-            if with_forward]
+    work = ([(name, cfg) for name, module in KERNELS.items()
+             for cfg in module.search_space(**sizes)] if with_forward else [])
     if with_backward:
         unfused = not chain_space("bwd_compute_out", sizes)[0]["FUSE_STATES"]
         for name in BACKWARD_KERNELS:

@@ -11,18 +11,17 @@ and matrix instructions. A row per (dstate, config); ``config`` names the keys t
 from the chain's own config, the first row of each dstate.
 
 The counts are static (a loop's body counts once), so they say what a step of the walk waits
-on, not how long: the tuner's timings (``python -m ops.tools.tune search --backward``) decide.
+on, not how long: the tuner's timings (``python -m ops.tools.tune search --backward-only``) decide.
 """
 import argparse
 import csv
 import json
+import math
 import sys
 
 import torch
 
-FIELDS = ("arch", "dstate", "config", "blocks", "instructions", "registers", "shared",
-          "spill_bytes", "bar", "syncs", "lds", "sts", "mma", "config_json", "cuda_tile")
-
+from ops.results.report import write_csv
 
 def walk_plan(config, dstate, seqlen=16384, nheads=80, headdim=64, chunk=128):
     """The walk's launch at the layer above, on meta tensors."""
@@ -43,7 +42,7 @@ def differences(config, own):
 
 
 def rows(arch="sm_90", dstates=(64, 128, 256), limit=None):
-    """One row (dict of FIELDS) per config of ``walk_space`` at each dstate; ``limit``: the
+    """One row (a dict, the CSV's columns in order) per config of ``walk_space`` at each dstate; ``limit``: the
     first configs only."""
     import importlib.metadata as md
     from ops.kernels.backward.bwd_pass_state import walk_space
@@ -56,12 +55,9 @@ def rows(arch="sm_90", dstates=(64, 128, 256), limit=None):
         for config in space:
             plan = walk_plan(config, dstate)
             r = sass_report(plan.kernel, plan.args, arch)
-            blocks = 1
-            for n in plan.grid:
-                blocks *= n
             print(f"dstate {dstate}: {differences(config, space[0])}", file=sys.stderr)
             out.append(dict(arch=arch, dstate=dstate, config=differences(config, space[0]),
-                            blocks=blocks, instructions=r.instructions, registers=r.registers,
+                            blocks=math.prod(plan.grid), instructions=r.instructions, registers=r.registers,
                             shared=r.shared, spill_bytes=r.spill_load_bytes + r.spill_store_bytes,
                             bar=r.count("BAR"), syncs=r.count("SYNCS"), lds=r.count("LDS"),
                             sts=r.count("STS"), mma=r.mma_count,
@@ -80,9 +76,10 @@ def main(argv=None):
     except ValueError:
         parser.error(f"--dstates: comma-separated integers, got {args.dstates!r}")
     table = rows(args.arch, dstates)
-    target = open(args.out, "w", newline="") if args.out else sys.stdout
-    with target if args.out else open(1, "w", closefd=False) as f:
-        writer = csv.DictWriter(f, FIELDS)
+    if args.out:
+        write_csv(args.out, table)
+    else:
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows(table)
 

@@ -163,6 +163,15 @@ def earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h, heads_per
 # partials of a block of heads as one tile, in registers.
 MAX_PARTS = 256
 
+
+def da_partials(headdim, dstate, block_p, block_n, row_parts):
+    """How many partials of d a[c] the walk writes a chunk: one a (block_p, block_n) state tile,
+    or one a row of it with ``row_parts``; the tiles cut as the plan cuts them (no wider than
+    headdim's and dstate's own tiles)."""
+    bp, bn = min(block_p, tile_size(headdim)), min(block_n, tile_size(dstate))
+    return cdiv(headdim, bp) * cdiv(dstate, bn) * (bp if row_parts else 1)
+
+
 def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
     """The kernel as first written: ``state_tiles``' tiles for the entry states' dtype as this
     kernel gets them (``dtype``, x's, unless ``states_dtype`` says otherwise, as in
@@ -263,11 +272,8 @@ def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
         if bn < min(base["BLOCK_N"], tile_size(dstate)):
             configs += [{**base, **together, "BLOCK_N": bn, "occupancy": occupancy}
                         for occupancy in (2, 4)]
-
-    def parts(c):                   # d a[c]'s partials a chunk, as the plan counts them
-        bp, bn = min(c["BLOCK_P"], tile_size(headdim)), min(c["BLOCK_N"], tile_size(dstate))
-        return cdiv(headdim, bp) * cdiv(dstate, bn) * (bp if c["ROW_PARTS"] else 1)
-    return unique([c for c in configs if parts(c) <= MAX_PARTS])
+    return unique([c for c in configs if da_partials(headdim, dstate, c["BLOCK_P"], c["BLOCK_N"],
+                                                     c["ROW_PARTS"]) <= MAX_PARTS])
 
 
 def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=None,
@@ -296,7 +302,7 @@ def bwd_pass_state_plan(dentry, dfinal, entry, dA_cumsum, seq_idx=None, block_p=
         raise TypeError(f"ds_dtype must be float32, bfloat16 or float16, got {ds_dtype}")
     tiles = cdiv(headdim, bp) * cdiv(dstate, bn)
     row_parts = bool(cfg["ROW_PARTS"])
-    parts = tiles * (bp if row_parts else 1)
+    parts = da_partials(headdim, dstate, bp, bn, row_parts)
     if row_parts and parts > MAX_PARTS:
         raise ValueError(f"ROW_PARTS with {bp} x {bn} tiles of a {headdim} x {dstate} state makes "
                          f"{parts} partials a chunk, over {MAX_PARTS}: take wider tiles")
