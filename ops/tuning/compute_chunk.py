@@ -22,12 +22,14 @@ alone takes less time at 128 at every model and grid shape timed reliably (under
 wherever the GPU, not the host, sets its time, the more so with the pass over the states forming
 dentry itself (``ops.backward.BACKWARD_DEFAULTS``; ``fwd_bwd_backward_at_128_h200.csv``,
 ``bwd_fuse_entry_h200.csv``): so the backward computes at the forward's chunk. At dstate 64 a
-forward of a few thousand tokens is mostly host time and no timing of it was reliable, so there
-"auto" starts at 16K tokens. Chunk 64 is about as fast as 128 in a training step at nearly twice
-its peak memory (``fwd_bwd_chunks_h200.csv``), so 128.
+forward of a few thousand tokens is mostly host time, so there "auto" rests on training steps
+timed from CUDA-graph replays (``fwd_bwd_chunks_dstate64_h200.csv``): at 4K tokens 128 took
+1.17x less GPU time than 256 (and the eager step no more), at 16K and 64K chunk 64 lost to 128 by
+1.2-1.3x; so "auto" starts there at 4K tokens, the shortest timed. Elsewhere too chunk 64 is no
+faster than 128 at nearly twice its peak memory (``fwd_bwd_chunks_h200.csv``), so 128.
 
 Where "auto" applies (``AUTO_RULES``): a GPU whose name says H200, bf16 inputs, a caller's chunk
-of 256, headdim up to 64, dstate 65-256 from 2K tokens and 33-64 from 16K, and entry states at
+of 256, headdim up to 64, dstate 65-256 from 2K tokens and 33-64 from 4K, and entry states at
 the new chunk under 2**31 elements (so the kernels stay 32-bit indexed, as measured). Measured
 were headdim 64, dstate 64, 128 and 256, 2K-256K tokens and 24-128 heads; the rule extends that
 to the sizes that compile to the same tiles. Everywhere else -- other GPUs (other Hopper parts
@@ -40,7 +42,7 @@ forward's entry states are freed when it returns (the backward recomputes them),
 training step's forward keeps them for its backward (``ops.backward.keeps``: no larger than x,
 which at 128 means dstate up to 128), until that backward has run. The forward's
 peak and a training step's rise accordingly (``models_h200.csv``'s ``peak_mem_mb``;
-``fwd_bwd_h200.csv``, beside Triton's, against the same step at exactly the caller's 256,
+``fwd_bwd_models_h200.csv``, beside Triton's, against the same step at exactly the caller's 256,
 ``fwd_bwd_caller_h200.csv``; PERF_NOTES.md compares them).
 ``MAMBA2_CUTILE_COMPUTE_CHUNK=caller`` gives it back, at the time the caller's chunk takes.
 
@@ -69,7 +71,7 @@ AUTO_RULES = [
     dict(gpu="H200", dtype=torch.bfloat16, caller=256, max_headdim=64, dstate_tiles=(128, 256),
          min_seqlen=2048, chunk=128),
     dict(gpu="H200", dtype=torch.bfloat16, caller=256, max_headdim=64, dstate_tiles=(64,),
-         min_seqlen=16384, chunk=128),
+         min_seqlen=4096, chunk=128),
 ]
 # The entry states, (b, chunks, h, p, n), double at half the chunk; past this many elements the
 # kernels would switch to their 64-bit-indexed (slower) variants where the caller's chunk would

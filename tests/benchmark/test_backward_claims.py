@@ -21,8 +21,14 @@ token launches, one test per statement, read from the H200 measurements committe
     autotune_backward_chunk128_h100.json  the backward's kernels searched alone on an H100
                                  (``python -m ops.tools.tune search --backward-only``): every
                                  candidate's time, the walk's variants among them
+    autotune_backward_chunk128_h200.json  the same search on the H200 (dstate 64 at 16K and
+                                 64K, the 130M and 2.7B-prefill shapes)
+    fwd_bwd_chunks_dstate64_h200.csv  a step at dstate 64 computing at 256, 128 and 64, and
+                                 TileGym's, graph-replayed (``fwd_bwd.py``)
+    fwd_bwd_models_h200.csv      a step at the model shapes, Triton / this project / TileGym in
+                                 one run (``fwd_bwd.py``)
 
-Each file is one ``config_sweep.py --what step`` run (a training step's scan through
+Each CSV named ``bwd_*`` is one ``config_sweep.py --what step`` run (a training step's scan through
 ``kernel_forward`` and ``kernel_backward``; every variant timed in each round, its best round
 kept). Nothing here needs a GPU: a new measurement committed in their place says which sentences
 of the docstrings it changes.
@@ -340,3 +346,83 @@ def test_the_walk_takes_one_key_at_a_time(walk_times):
     four = [round(speedup(d, **four), 2) for d in (64, 128, 256)]
     assert min(four) == 0.92 and max(four) == 1.19
     assert round(speedup(128, BLOCK_N=128, LOAD_LAT=0, occupancy=None), 2) == 1.14
+
+
+def _searched(path):
+    """{(kernel, batch, seqlen, nheads, dstate): (default's ms, {changes: ms})} of a search."""
+    from ops.results.tuning_report import changes, load
+    out = {}
+    for e in load(RESULTS / path, chunk_size=128):
+        key = (e["kernel"],) + tuple(int(e["shape"][k]) for k in ("batch", "seqlen", "nheads", "dstate"))
+        out[key] = (e["default_ms"], {tuple(sorted(changes(cfg, e["default"]).items())): ms
+                                      for ms, cfg in e["timings"]})
+    return out
+
+
+def test_the_h200_search_agrees_at_dstate_64_and_not_at_128():
+    """PERF_NOTES.md, "The walk's step" and open question 1: on the H200 the whole chunk in one
+    product is the walk's best at 16K and 64K x dstate 64 (1.47x, 1.50x); at dstate 128 (the 130M
+    and 2.7B-prefill shapes) row partials win (1.27x, 1.19x), the accumulator just behind (1.25x,
+    1.18x); bwd_chunk_cumsum is 1.35-1.97x faster at four blocks per multiprocessor, the token
+    kernels' winners 1.03-1.13x."""
+    runs = _searched("autotune_backward_chunk128_h200.json")
+    speed = lambda key, **c: runs[key][0] / runs[key][1][tuple(sorted(c.items()))]
+    best = lambda key: runs[key][0] / min(runs[key][1].values())
+    walks = {k: v for k, v in runs.items() if k[0] == "bwd_pass_state"}
+    assert len(walks) == 4 and len(runs) == 12
+    for key, whole in ((("bwd_pass_state", 1, 16384, 80, 64), 1.47), (("bwd_pass_state", 1, 65536, 80, 64), 1.50)):
+        assert round(speed(key, ENTRY_BLOCK_T=128), 2) == whole == round(best(key), 2)
+    for key, rows, acc in ((("bwd_pass_state", 16, 2048, 24, 128), 1.27, 1.25),
+                           (("bwd_pass_state", 1, 4096, 80, 128), 1.19, 1.18)):
+        assert round(speed(key, ROW_PARTS=True), 2) == rows == round(best(key), 2)
+        assert round(speed(key, CARRY_ACC=True), 2) == acc
+    cumsum = [speed(k, occupancy=4) for k in runs if k[0] == "bwd_chunk_cumsum"]
+    assert round(min(cumsum), 2) == 1.35 and round(max(cumsum), 2) == 1.97
+    token = [best(k) for k in runs if k[0] == "bwd_compute_out"]
+    assert round(min(token), 2) == 1.03 and round(max(token), 2) == 1.13
+
+
+def _graph_ms(path):
+    """{(shape, impl, chunk the caller passed): row} of a fwd_bwd.py run."""
+    return {(r["shape"], r["impl"], int(r["chunk"])): r for r in load_csv(path)}
+
+
+def load_csv(path):
+    from ops.results.report import load
+    return load(RESULTS / path)
+
+
+def test_dstate_64_computes_at_128_from_4k():
+    """ops/tuning/compute_chunk.py and PERF_NOTES.md: at dstate 64 a step computing at 128 takes
+    1.17x less GPU time than at 256 at 4K tokens; chunk 64 loses to 128 at 4K, 16K and 64K (1.13x,
+    1.22x, 1.29x); against TileGym's step (at its 64) this project's at 128 is 0.99x, 1.01x, 1.11x
+    by GPU time. The run's chunk-256 rows at 16K and 64K already computed at 128 (the rule of
+    then), at 4K at 256."""
+    run = _graph_ms("fwd_bwd_chunks_dstate64_h200.csv")
+    shapes = [f"1x{n}x80h n64 g1" for n in (4096, 16384, 65536)]
+    assert {r["device"] for r in run.values()} == {"NVIDIA H200"}
+    ms = lambda shape, impl, chunk: run[shape, impl, chunk]["graph_ms"]
+    assert [run[s, "cutile", 256]["fwd_chunk"] for s in shapes] == [256, 128, 128]
+    assert round(ms(shapes[0], "cutile", 256) / ms(shapes[0], "cutile", 128), 2) == 1.17
+    assert [round(ms(s, "cutile", 64) / ms(s, "cutile", 128), 2) for s in shapes] == [1.13, 1.22, 1.29]
+    assert [round(ms(s, "tilegym", 64) / ms(s, "cutile", 128), 2) for s in shapes] == [0.99, 1.01, 1.11]
+
+
+def test_the_model_shapes_step_against_both_peers():
+    """PERF_NOTES.md, open question 1, and the README's table: at the four model shapes, in one
+    run, this project's step takes 1.54-1.73x less GPU time than Triton's and 1.18-1.23x less
+    than TileGym's, at 0.77-0.86x Triton's peak memory, its gradients within 3.2e-3 of Triton's."""
+    run = _graph_ms("fwd_bwd_models_h200.csv")
+    models = sorted({s for s, _, _ in run})
+    assert len(models) == 4
+    ours = {s: run[s, "cutile", 256] for s in models}
+    ratio = lambda impl, col: [run[s, impl, 256 if impl == "triton" else 64][col] / ours[s][col]
+                               for s in models]
+    triton, tilegym = ratio("triton", "graph_ms"), ratio("tilegym", "graph_ms")
+    assert (round(min(triton), 2), round(max(triton), 2)) == (1.54, 1.73)
+    assert (round(min(tilegym), 2), round(max(tilegym), 2)) == (1.18, 1.23)
+    peaks = [ours[s]["peak_mib"] / run[s, "triton", 256]["peak_mib"] for s in models]
+    assert (round(min(peaks), 2), round(max(peaks), 2)) == (0.77, 0.86)
+    grads = [float(ours[s][f"grad_diff_{k}"]) for s in models
+             for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
+    assert max(grads) < 3.3e-3

@@ -256,7 +256,10 @@ def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
     blocks did best, 1.44x); all four together 0.92-1.19x. The machine code's
     counts did not rank them (``tests/benchmark/results/bwd_pass_state_walk_sass_sm90.csv``,
     ``walk_sass.py``: ROW_PARTS takes the block-wide barriers from 12 to 2 and was 1.11-1.36x).
-    The winners are the table's H100 entries; PERF_NOTES.md, "The walk's step"."""
+    The H200's search (``autotune_backward_chunk128_h200.json``) agrees at dstate 64 (the whole
+    chunk 1.47-1.50x at 16K and 64K tokens) and not at dstate 128, where ROW_PARTS won (1.19-1.27x
+    at the 130M and 2.7B-prefill shapes), CARRY_ACC just behind. So no key is a default: the
+    winners are the table's entries, per GPU; PERF_NOTES.md, "The walk's step"."""
     sizes = dict(headdim=headdim, dstate=dstate, **shape)
     base = {**default_config(**sizes), **walk_config(**sizes)}
     configs = [base] + [{**c, "FUSE_ENTRY": True}
