@@ -8,7 +8,8 @@ so it never runs unasked. By default a kernel on a GPU takes, in this order:
 
   1. the winner of an earlier search at this shape, from the cache file;
   2. the committed table (``tuned_configs.json``, searched on an NVIDIA H200 at the benchmark's
-     grid and at model shapes; the backward's kernels, so far, on an H100): the entry for this shape, else the nearest tuned shape of the
+     grid and at model shapes; the backward's kernels, so far, at a few shapes on an H100 and an
+     H200): the entry for this shape, else the nearest tuned shape of the
      same GPU, chunk, dtype and head and state tiles (by the amount of work), if its config is
      valid here, with the knobs that are slow to compile and gain little away from their own
      shape left off (``COSTLY_TO_COMPILE``);

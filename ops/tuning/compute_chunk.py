@@ -24,8 +24,8 @@ dentry itself (``ops.backward.BACKWARD_DEFAULTS``; ``fwd_bwd_backward_at_128_h20
 ``bwd_fuse_entry_h200.csv``): so the backward computes at the forward's chunk. At dstate 64 a
 forward of a few thousand tokens is mostly host time, so there "auto" rests on training steps
 timed from CUDA-graph replays (``fwd_bwd_chunks_dstate64_h200.csv``): at 4K tokens 128 took
-1.17x less GPU time than 256 (and the eager step no more), at 16K and 64K chunk 64 lost to 128 by
-1.2-1.3x; so "auto" starts there at 4K tokens, the shortest timed. Elsewhere too chunk 64 is no
+1.17x less GPU time than 256 (eager, 1.03x less), and chunk 64 lost to 128 at 4K, 16K and 64K by
+1.13-1.29x; so "auto" starts there at 4K tokens, the shortest timed. Elsewhere too chunk 64 is no
 faster than 128 at nearly twice its peak memory (``fwd_bwd_chunks_h200.csv``), so 128.
 
 Where "auto" applies (``AUTO_RULES``): a GPU whose name says H200, bf16 inputs, a caller's chunk

@@ -349,10 +349,13 @@ def test_the_walk_takes_one_key_at_a_time(walk_times):
 
 
 def _searched(path):
-    """{(kernel, batch, seqlen, nheads, dstate): (default's ms, {changes: ms})} of a search."""
+    """{(kernel, batch, seqlen, nheads, dstate): (default's ms, {changes: ms})} of a search made
+    on the H200."""
     from ops.results.tuning_report import changes, load
     out = {}
-    for e in load(RESULTS / path, chunk_size=128):
+    entries = load(RESULTS / path, chunk_size=128)
+    assert {e["device"] for e in entries} == {"NVIDIA H200"}
+    for e in entries:
         key = (e["kernel"],) + tuple(int(e["shape"][k]) for k in ("batch", "seqlen", "nheads", "dstate"))
         out[key] = (e["default_ms"], {tuple(sorted(changes(cfg, e["default"]).items())): ms
                                       for ms, cfg in e["timings"]})
@@ -394,10 +397,13 @@ def load_csv(path):
 
 def test_dstate_64_computes_at_128_from_4k():
     """ops/tuning/compute_chunk.py and PERF_NOTES.md: at dstate 64 a step computing at 128 takes
-    1.17x less GPU time than at 256 at 4K tokens; chunk 64 loses to 128 at 4K, 16K and 64K (1.13x,
-    1.22x, 1.29x); against TileGym's step (at its 64) this project's at 128 is 0.99x, 1.01x, 1.11x
-    by GPU time. The run's chunk-256 rows at 16K and 64K already computed at 128 (the rule of
-    then), at 4K at 256."""
+    1.17x less GPU time than at 256 at 4K tokens (eager 1.03x); chunk 64 loses to 128 at 4K, 16K
+    and 64K (1.13x, 1.22x, 1.29x); against TileGym's step (at its 64) this project's at 128 is
+    0.99x, 1.01x, 1.11x by GPU time (0.492, 1.624, 5.81 ms against 0.485, 1.640, 6.42), where
+    against the earlier run's TileGym times (its bare functions: 0.448, 1.572, 6.170 ms) it would
+    be 0.91x, 0.97x, 1.06x; at 4K the eager step takes 1.13 ms, its GPU time 0.49. The run's
+    chunk-256 rows at 16K and 64K already computed at 128 (the rule of then), at 4K at 256; the
+    rule now starts at the shortest length where 128 beat 256."""
     run = _graph_ms("fwd_bwd_chunks_dstate64_h200.csv")
     shapes = [f"1x{n}x80h n64 g1" for n in (4096, 16384, 65536)]
     assert {r["device"] for r in run.values()} == {"NVIDIA H200"}
@@ -406,15 +412,33 @@ def test_dstate_64_computes_at_128_from_4k():
     assert round(ms(shapes[0], "cutile", 256) / ms(shapes[0], "cutile", 128), 2) == 1.17
     assert [round(ms(s, "cutile", 64) / ms(s, "cutile", 128), 2) for s in shapes] == [1.13, 1.22, 1.29]
     assert [round(ms(s, "tilegym", 64) / ms(s, "cutile", 128), 2) for s in shapes] == [0.99, 1.01, 1.11]
+    assert [round(ms(s, "cutile", 128), 3) for s in shapes[:2]] == [0.492, 1.624]
+    assert [round(ms(s, "tilegym", 64), 3) for s in shapes[:2]] == [0.485, 1.640]
+    assert (round(ms(shapes[2], "cutile", 128), 2), round(ms(shapes[2], "tilegym", 64), 2)) == (5.81, 6.42)
+    eager = lambda s, c: run[s, "cutile", c]["fwd_bwd_ms"]
+    assert round(eager(shapes[0], 256) / eager(shapes[0], 128), 2) == 1.03
+    assert (round(eager(shapes[0], 128), 2), round(ms(shapes[0], "cutile", 128), 2)) == (1.13, 0.49)
+    earlier = {r["shape"]: r for r in load_csv("fwd_bwd_h200.csv") if r["impl"] == "tilegym"}
+    old = [earlier[s]["graph_ms"] for s in shapes]
+    assert [round(t, 3) for t in old] == [0.448, 1.572, 6.170]
+    assert [round(t / ms(s, "cutile", 128), 2) for t, s in zip(old, shapes)] == [0.91, 0.97, 1.06]
+    from ops.tuning.compute_chunk import AUTO_RULES
+    (rule,) = [r for r in AUTO_RULES if r["dstate_tiles"] == (64,)]
+    assert rule["min_seqlen"] == 4096 == run[shapes[0], "cutile", 128]["seqlen"]
 
 
 def test_the_model_shapes_step_against_both_peers():
-    """PERF_NOTES.md, open question 1, and the README's table: at the four model shapes, in one
-    run, this project's step takes 1.54-1.73x less GPU time than Triton's and 1.18-1.23x less
-    than TileGym's, at 0.77-0.86x Triton's peak memory, its gradients within 3.2e-3 of Triton's."""
+    """PERF_NOTES.md, open questions 1-3, and the README's table: at the four model shapes, in one
+    run on the H200, this project's step takes 1.54-1.73x less GPU time than Triton's and
+    1.18-1.23x less than TileGym's, at 0.77-0.86x Triton's peak memory, its gradients within
+    3.2e-3 of Triton's; at the 2.7B prefill shape its eager step takes 2.2x its GPU time (1.27
+    against 0.58 ms), TileGym's 2.08 ms eager and 0.68 ms for its two functions alone, and the
+    peaks are 152 MiB against Triton's 181."""
+    from ops.results.models import MODELS
     run = _graph_ms("fwd_bwd_models_h200.csv")
     models = sorted({s for s, _, _ in run})
-    assert len(models) == 4
+    assert models == sorted(MODELS) and len(run) == 12
+    assert {r["device"] for r in run.values()} == {"NVIDIA H200"}
     ours = {s: run[s, "cutile", 256] for s in models}
     ratio = lambda impl, col: [run[s, impl, 256 if impl == "triton" else 64][col] / ours[s][col]
                                for s in models]
@@ -426,3 +450,9 @@ def test_the_model_shapes_step_against_both_peers():
     grads = [float(ours[s][f"grad_diff_{k}"]) for s in models
              for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
     assert max(grads) < 3.3e-3
+    prefill = ours["mamba2-2.7b-prefill"]
+    tilegym = run["mamba2-2.7b-prefill", "tilegym", 64]
+    assert round(prefill["fwd_bwd_ms"] / prefill["graph_ms"], 1) == 2.2
+    assert (round(prefill["fwd_bwd_ms"], 2), round(prefill["graph_ms"], 2)) == (1.27, 0.58)
+    assert (round(tilegym["fwd_bwd_ms"], 2), round(tilegym["bare_ms"], 2)) == (2.08, 0.68)
+    assert (round(prefill["peak_mib"]), round(run["mamba2-2.7b-prefill", "triton", 256]["peak_mib"])) == (152, 181)

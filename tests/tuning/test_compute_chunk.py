@@ -52,7 +52,7 @@ def test_auto_computes_at_128_only_where_the_rules_say():
                    dict(gpu="NVIDIA A100-SXM4-80GB"), dict(gpu=None),
                    dict(dtype=torch.float16), dict(dtype=torch.float32), dict(headdim=128),
                    dict(dstate=32), dict(dstate=512), dict(seqlen=1024),
-                   dict(dstate=64, seqlen=2048),
+                   dict(dstate=64, seqlen=2048), dict(dstate=64, seqlen=4095),
                    # entry states at 128 past 2**31 elements: 64-bit kernels, not measured
                    dict(long, seqlen=524288), dict(long, dstate=256, seqlen=262144)):
         assert compute_chunk.auto_chunk(256, **{**H200, **change}) == 256, change
