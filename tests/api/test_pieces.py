@@ -144,6 +144,7 @@ def _past_the_limit_on_the_gpu(requires_grad=False):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_a_call_past_two_to_the_31_elements_on_the_gpu():
     """On the GPU at the real limit: the pieces' output and final state against the same kernels
     run whole (``kernel_forward``, 64-bit indexed): bf16's bound, 1e-2 (the whole run stores the
@@ -157,6 +158,7 @@ def test_a_call_past_two_to_the_31_elements_on_the_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_gradients_past_two_to_the_31_elements_on_the_gpu():
     """The same call's gradients, for a random dout (each segment's backward gets a slice of it
     whose stride(0) is past 32 bits) and dfinal, against the kernels' backward run whole

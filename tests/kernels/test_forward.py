@@ -106,6 +106,7 @@ def test_no_overflow_with_large_decay():
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_memory
 def test_long_sequence_int64_indexing():
     """x has more than 2**31 elements, so offsets into it only fit in 64 bits. Heads are
     independent when ngroups == 1, so the reference is computed for the first and last head
