@@ -176,19 +176,16 @@ def main(argv=None):
           f"{min(args.procs, len(rest))} processes; logs in {out}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     deadline = start + args.limit
-    results = {}
-    if alone:
-        first = [Shard("alone", [t for t in ids if t in alone], out, cwd, env)]
+    first = [Shard("alone", [t for t in ids if t in alone], out, cwd, env)] if alone else []
+    if first:
         run_all(first, deadline)
-        results.update(first[0].results)
         print(f"alone: {time.monotonic() - start:.0f} s", flush=True)
     shards = [Shard(f"shard{k}", part, out, cwd, env) for k, part in enumerate(slices(rest, args.procs))]
     if shards and time.monotonic() < deadline:
         run_all(shards, deadline)
-    for s in shards:
-        results.update(s.results)
+    results = {t: v for s in first + shards for t, v in s.results.items()}
     text, ok = summary(ids, results)
-    text += f"({time.monotonic() - start:.0f} s, {sum(s.runs for s in shards)} processes)\n"
+    text += f"({time.monotonic() - start:.0f} s, {sum(s.runs for s in first + shards)} processes)\n"
     (out / "summary.txt").write_text(text)
     print(text, end="")
     return 0 if ok else 1
