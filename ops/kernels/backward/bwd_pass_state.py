@@ -122,12 +122,7 @@ def bwd_pass_state_kernel(
             ct.store(da_parts, (b, h, c, tile_id), ct.sum(g * e) * a)
         # the gradient of the state before chunk c; before chunk 0 it is dinitial's alone, and
         # without initial states no one reads it: the walk stops there (no dentry for chunk 0)
-        if WITH_DINITIAL:
-            g = earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h,
-                                 heads_per_group, pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
-                                 HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT, ENTRY_LAT,
-                                 CARRY_ACC)
-        elif c > 0:
+        if WITH_DINITIAL or c > 0:
             g = earlier_gradient(g, a, dentry, dy, C, dA_cumsum, seq_idx, b, c, h,
                                  heads_per_group, pi, ni, CHUNK, ENTRY_BLOCK_T, BLOCK_P, BLOCK_N,
                                  HAS_SEQ_IDX, FUSE_ENTRY, BF16_OPERANDS, LOAD_LAT, ENTRY_LAT,
