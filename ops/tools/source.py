@@ -11,9 +11,11 @@ reader sees the code one configuration really runs instead of every variant at o
     print(source_diff(fold_chunk, {"SWAP": False}, {"SWAP": True}))   # a knob as a code change
 
 What is left out, given values for some constants:
-  * an ``if`` / ``elif`` whose test uses only known constants: the branch not taken (the kept
-    branch is dedented into its place; a block left empty gets ``pass``); likewise
-    ``a if TEST else b`` expressions. An ``elif`` is decided only once the tests before it are;
+  * an ``if`` / ``elif`` whose test uses only known constants, or is an ``or`` with an operand
+    known true or an ``and`` with one known false (``if WITH_DINITIAL or c > 0:``): the branch
+    not taken (the kept branch is dedented into its place; a block left empty gets ``pass``);
+    likewise ``a if TEST else b`` expressions. An ``elif`` is decided only once the tests before
+    it are;
   * ``latency=latency_hint(NAME)`` arguments with ``NAME == 0`` (no hint is the same as none);
   * with ``index64=False``, the ``ct.IndexedWithInt64`` annotations (``ops.runtime.launch`` runs a
     32-bit twin of the kernel whenever every tensor has fewer than 2**31 elements).
@@ -166,6 +168,23 @@ class _Specialiser:
         except Exception:                      # noqa: BLE001 -- undecidable: leave the code as is
             return _UNKNOWN
 
+    def truth(self, expr):
+        """True or False if ``expr``'s truth is decided by known constants, else _UNKNOWN. Beyond
+        ``evaluate``: ``or`` with an operand known true is true, ``and`` with one known false is
+        false, whatever the others (``WITH_DINITIAL or c > 0`` with WITH_DINITIAL True); ``not``
+        negates."""
+        if isinstance(expr, ast.BoolOp):
+            truths = [self.truth(v) for v in expr.values]
+            decisive = isinstance(expr.op, ast.Or)          # or: one true decides; and: one false
+            if decisive in truths:
+                return decisive
+            return _UNKNOWN if _UNKNOWN in truths else not decisive
+        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+            inner = self.truth(expr.operand)
+            return inner if inner is _UNKNOWN else not inner
+        value = self.evaluate(expr)
+        return value if value is _UNKNOWN else bool(value)
+
     # -- positions --------------------------------------------------------------------------------
 
     def offset(self, line, col):
@@ -211,7 +230,7 @@ class _Specialiser:
         if isinstance(node, ast.If):
             return self._edit_if(node)
         if isinstance(node, ast.IfExp):
-            value = self.evaluate(node.test)
+            value = self.truth(node.test)
             if value is _UNKNOWN:
                 return None
             kept = node.body if value else node.orelse
@@ -238,7 +257,7 @@ class _Specialiser:
     def _edit_if(self, node):
         if self._is_elif_clause(node) and node not in self.heads:
             return None
-        value = self.evaluate(node.test)
+        value = self.truth(node.test)
         if value is _UNKNOWN or not self._editable(node):
             return None
         first, last = self.line_span(node.lineno, node.end_lineno)

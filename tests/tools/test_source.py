@@ -74,8 +74,42 @@ def test_the_other_branches():
     assert "reshape" not in text                         # both reshaping branches are gone
     assert "t = t + 1" not in text                       # NK = 4, derived from HB
     assert "latency=latency_hint(LOAD_LAT)" in text      # a real hint is kept
-    assert "if MODE == \"a\" and not SWAP:" in text
+    assert "MODE" not in text.split("return")[0].split("shape =")[1]   # `... and not SWAP`: false
+    assert "t = t - 1" not in text
     ast.parse(text)
+    text = specialised_source(sample_helper, dict(SWAP=False, HB=2, LOAD_LAT=3), header=False)
+    assert "    if MODE == \"a\" and not SWAP:\n        t = t - 1\n" in text      # MODE decides
+
+
+def flag_helper(t, FLAG, c):
+    if FLAG or c > 0:
+        t = t + 1
+    if FLAG and c > 0:
+        t = t * 2
+    if not FLAG or c > 1:
+        t = t - 3
+    return t
+
+
+def test_and_or_not_decided_by_one_known_operand():
+    """``or`` with an operand known true is taken, ``and`` with one known false is not, whatever
+    the unknown others; otherwise the test stays as written."""
+    assert specialised_source(flag_helper, dict(FLAG=True), header=False) == textwrap.dedent('''\
+        def flag_helper(t, FLAG, c):
+            t = t + 1
+            if FLAG and c > 0:
+                t = t * 2
+            if not FLAG or c > 1:
+                t = t - 3
+            return t
+        ''')
+    assert specialised_source(flag_helper, dict(FLAG=False), header=False) == textwrap.dedent('''\
+        def flag_helper(t, FLAG, c):
+            if FLAG or c > 0:
+                t = t + 1
+            t = t - 3
+            return t
+        ''')
 
 
 def test_an_elif_chain_becomes_an_if():
@@ -259,7 +293,19 @@ def call_with_hint(v, LAT, FLAG):
     return r
 
 
+def mixed(v, F, G):
+    if F or v > 4:                  # v is not a constant: or/and decided by F and G alone
+        v = v + 1
+    if F and G:
+        v = v * 2
+    if not F and v > 5:
+        v = v - 3
+    w = v if (G or v < 0) else -v
+    return v, w
+
+
 TOYS = {chain: dict(A=(False, True), K=(False, True), J=(False, True)),
+        mixed: dict(F=(False, True), G=(False, True)),
         with_derived: dict(HB=(1, 2), SWAP=(False, True)),
         reassigned: dict(HB=(1, 2), SWAP=(False, True)),
         call_with_hint: dict(LAT=(0, 3), FLAG=(False, True))}
