@@ -39,11 +39,15 @@ GOOD = {"PASSED", "SKIPPED", "XFAIL"}
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
 
 
-def collect(paths, marker, cwd=None):
+def collect(paths, marker, timeout=None):
     """The node ids of the tests under ``paths`` (none: pytest's testpaths) selected by
-    ``-m marker``, in collection order."""
-    run = subprocess.run(PYTEST + ["--collect-only", "-q", "-m", marker, *paths], cwd=cwd,
-                         capture_output=True, text=True)
+    ``-m marker``, in collection order; RuntimeError if collecting fails or takes longer than
+    ``timeout`` seconds."""
+    try:
+        run = subprocess.run(PYTEST + ["--collect-only", "-q", "-m", marker, *paths],
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"collecting {paths or 'the tests'} took over {timeout:.0f} s") from None
     if run.returncode not in (0, 5):                  # 5: nothing collected
         raise RuntimeError(f"collecting {paths} failed:\n{run.stdout[-3000:]}{run.stderr[-3000:]}")
     return [line.strip() for line in run.stdout.splitlines() if "::" in line]
@@ -91,10 +95,10 @@ class Shard:
                                          cwd=self.cwd, env=self.env, stdout=f,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
-    def poll(self):
+    def poll(self, restart=True):
         """True while its process runs; when it has ended, takes its outcomes and, if tests are
-        left, starts a new process on them (the first one left, which got no outcome, counted
-        as an error when the process ran nothing further)."""
+        left and ``restart``, starts a new process on them (the first one left, which got no
+        outcome, counted as an error when the process ran nothing further)."""
         if self.proc is None or self.proc.poll() is None:
             return self.proc is not None
         self.proc = None
@@ -105,7 +109,7 @@ class Shard:
             self.results[left[0]] = "ERROR"           # ran nothing: the first test broke it
             left = left[1:]
         self.todo = left
-        if left:
+        if left and restart:
             self.start()
             return True
         return False
@@ -131,7 +135,8 @@ def run_all(shards, deadline, poll_s=1.0, every_s=30.0):
         s.start()
     total, said = sum(len(s.todo) for s in shards), time.monotonic()
     try:
-        while [s.poll() for s in shards].count(True) and time.monotonic() < deadline:
+        while [s.poll(time.monotonic() < deadline) for s in shards].count(True) \
+                and time.monotonic() < deadline:
             time.sleep(poll_s)
             if time.monotonic() - said >= every_s:
                 said = time.monotonic()
@@ -155,6 +160,7 @@ def summary(ids, results):
 
 
 def main(argv=None):
+    """The command line (see the module's docstring); returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="*", help="test files or folders (default: pytest's testpaths)")
     parser.add_argument("--procs", type=int, default=8, help="pytest processes at once")
@@ -169,13 +175,13 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cwd = Path.cwd()
-    ids = collect(args.paths, "gpu")
-    alone = set(collect(args.paths, "gpu and gpu_memory"))
+    deadline = start + args.limit
+    ids = collect(args.paths, "gpu", deadline - time.monotonic())
+    alone = set(collect(args.paths, "gpu and gpu_memory", max(1.0, deadline - time.monotonic())))
     rest = [t for t in ids if t not in alone]
     print(f"{len(ids)} tests: {len(alone)} alone first, then {len(rest)} in "
           f"{min(args.procs, len(rest))} processes; logs in {out}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    deadline = start + args.limit
     first = [Shard("alone", [t for t in ids if t in alone], out, cwd, env)] if alone else []
     if first:
         run_all(first, deadline)

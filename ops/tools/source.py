@@ -12,10 +12,11 @@ reader sees the code one configuration really runs instead of every variant at o
 
 What is left out, given values for some constants:
   * an ``if`` / ``elif`` whose test uses only known constants, or is an ``or`` with an operand
-    known true or an ``and`` with one known false (``if WITH_DINITIAL or c > 0:``): the branch
-    not taken (the kept branch is dedented into its place; a block left empty gets ``pass``);
-    likewise ``a if TEST else b`` expressions. An ``elif`` is decided only once the tests before
-    it are;
+    known true or an ``and`` with one known false, the rest names and operators
+    (``if WITH_DINITIAL or c > 0:``): the branch not taken (the kept branch is dedented into its
+    place; a block left empty gets ``pass``); likewise ``a if TEST else b`` expressions. An
+    ``elif`` is decided only once the tests before it are. A test left undecided loses its
+    operands that change nothing (``if c > 0:`` for the same test with WITH_DINITIAL False);
   * ``latency=latency_hint(NAME)`` arguments with ``NAME == 0`` (no hint is the same as none);
   * with ``index64=False``, the ``ct.IndexedWithInt64`` annotations (``ops.runtime.launch`` runs a
     32-bit twin of the kernel whenever every tensor has fewer than 2**31 elements).
@@ -171,14 +172,15 @@ class _Specialiser:
     def truth(self, expr):
         """True or False if ``expr``'s truth is decided by known constants, else _UNKNOWN. Beyond
         ``evaluate``: ``or`` with an operand known true is true, ``and`` with one known false is
-        false, whatever the others (``WITH_DINITIAL or c > 0`` with WITH_DINITIAL True); ``not``
-        negates."""
+        false, whatever the others (``WITH_DINITIAL or c > 0`` with WITH_DINITIAL True), where
+        those others are plain expressions (``_pure``: no call whose text would vanish with
+        them); ``not`` negates."""
         if isinstance(expr, ast.BoolOp):
             truths = [self.truth(v) for v in expr.values]
             decisive = isinstance(expr.op, ast.Or)          # or: one true decides; and: one false
-            if decisive in truths:
+            if decisive in truths and all(_pure(v) for v in expr.values):
                 return decisive
-            return _UNKNOWN if _UNKNOWN in truths else not decisive
+            return _UNKNOWN if _UNKNOWN in truths or decisive in truths else not decisive
         if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
             inner = self.truth(expr.operand)
             return inner if inner is _UNKNOWN else not inner
@@ -236,6 +238,8 @@ class _Specialiser:
             kept = node.body if value else node.orelse
             s, e = self._node_span(node)
             return s, e, lambda: self.render_span(*self._node_span(kept), 0)
+        if isinstance(node, ast.BoolOp) and self._is_test(node) and self.truth(node) is _UNKNOWN:
+            return self._edit_operands(node)
         if isinstance(node, ast.keyword) and node.arg == "latency":
             v = node.value
             if (isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "latency_hint"
@@ -278,6 +282,30 @@ class _Specialiser:
         _, e = self.line_span(branch[-1].end_lineno, branch[-1].end_lineno)
         dedent = self._indent(branch[0].lineno) - indent
         return first, last, lambda: self.render_span(s, e, dedent)
+
+    def _is_test(self, node):
+        """Whether ``node`` is the whole test of an ``if``, ``elif`` or ``a if TEST else b``
+        (where only its truth counts)."""
+        parent = self.parents.get(node)
+        return isinstance(parent, (ast.If, ast.IfExp)) and parent.test is node
+
+    def _edit_operands(self, node):
+        """An undecided ``or`` (``and``) test without its operands known false (true), which
+        change nothing: ``WITH_DINITIAL or c > 0`` with WITH_DINITIAL False reads ``c > 0``."""
+        drop = not isinstance(node.op, ast.Or)              # or: drop the false; and: the true
+        kept = [v for v in node.values if self.truth(v) is not drop]
+        if len(kept) == len(node.values) or node.lineno != node.end_lineno:
+            return None
+        join = " or " if isinstance(node.op, ast.Or) else " and "
+
+        def text():
+            parts = [self.render_span(*self._node_span(v), 0) for v in kept]
+            if len(kept) > 1:
+                parts = [f"({t})" if isinstance(v, (ast.BoolOp, ast.IfExp, ast.NamedExpr,
+                                                     ast.Lambda)) else t
+                         for v, t in zip(kept, parts)]
+            return join.join(parts)
+        return self._node_span(node) + (text,)
 
     def _editable(self, node):
         """Only the plain layout is edited: a one-line test, bodies on lines of their own, no
@@ -324,6 +352,12 @@ class _Specialiser:
         while s > 0 and self.text[s - 1] in " \t\n":
             s -= 1
         return (s - 1, e) if s > 0 and self.text[s - 1] == "," else None
+
+
+def _pure(expr):
+    """Whether ``expr`` is made only of names, constants and operators (no call, subscript or
+    assignment): leaving it out of the text loses nothing it would do."""
+    return all(isinstance(node, _SAFE) for node in ast.walk(expr))
 
 
 def _elif_to_if(text):

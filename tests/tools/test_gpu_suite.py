@@ -44,6 +44,15 @@ def test_stops_the_run(request):
 def test_after_the_stop():
     note("after")
 
+@pytest.mark.gpu
+def test_crashes():
+    note("crashes")
+    os._exit(1)
+
+@pytest.mark.gpu
+def test_after_the_crash():
+    note("after_crash")
+
 def test_not_gpu():
     note("not_gpu")
 '''
@@ -89,19 +98,23 @@ def test_outcomes_are_read_from_the_verbose_lines():
 def test_the_suite_runs_each_gpu_test_once_the_big_one_alone_first(suite, capsys):
     folder, log = suite
     status = gpu_suite.main(["--procs", "2", "--limit", "120", "--out", str(folder / "out")])
-    assert status == 1                                  # one test fails, one stops its run
+    assert status == 1                    # one test fails, one stops its run, one crashes it
     names = [name for name, _, _ in ran(log)]
-    assert sorted(names) == sorted(["big", "fails", "stops", "after"] + [f"small{k}" for k in range(6)])
+    everything = ["big", "fails", "stops", "after", "after_crash"] + [f"small{k}" for k in range(6)]
+    assert sorted(set(names)) == sorted(everything + ["crashes"])
+    assert names.count("crashes") == 2 and all(names.count(n) == 1 for n in everything)
     assert names[0] == "big"                            # alone, before any other started
     pids = {name: pid for name, pid, _ in ran(log)}
     assert pids["big"] not in {pid for name, pid in pids.items() if name != "big"}
     assert pids["after"] != pids["stops"]               # the stopped run started again on the rest
     text = (folder / "out" / "summary.txt").read_text()
-    assert text.startswith("10 gpu tests: 2 failed, 8 passed")
+    # the crash gave no outcome: run once more alone at the head of its slice, then an error
+    assert text.startswith("12 gpu tests: 1 error, 2 failed, 9 passed")
+    assert "ERROR    test_stand_ins.py::test_crashes" in text
     assert "FAILED   test_stand_ins.py::test_fails" in text
     assert "FAILED   test_stand_ins.py::test_stops_the_run" in text
     assert "not_gpu" not in text and "test_after_the_stop" not in text
-    assert "10 tests: 1 alone first, then 9 in 2 processes" in capsys.readouterr().out
+    assert "12 tests: 1 alone first, then 11 in 2 processes" in capsys.readouterr().out
 
 
 def test_the_time_limit_leaves_the_rest_not_run(suite, monkeypatch):
@@ -111,9 +124,10 @@ def test_the_time_limit_leaves_the_rest_not_run(suite, monkeypatch):
     status = gpu_suite.main(["--procs", "2", "--limit", "15", "--out", str(folder / "out")])
     assert status == 1
     text = (folder / "out" / "summary.txt").read_text()
-    assert text.startswith("10 gpu tests: 10 not run")
+    assert text.startswith("12 gpu tests: 12 not run")
     assert [name for name, _, _ in ran(log)] == ["big"]  # stopped at the limit; nothing else began
-    assert "(15 s" in text or "(16 s" in text
+    seconds = int(text.rsplit("(", 1)[1].split(" s")[0])
+    assert 15 <= seconds <= 20
 
 
 def test_bad_arguments_are_refused(capsys):

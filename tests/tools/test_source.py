@@ -78,7 +78,7 @@ def test_the_other_branches():
     assert "t = t - 1" not in text
     ast.parse(text)
     text = specialised_source(sample_helper, dict(SWAP=False, HB=2, LOAD_LAT=3), header=False)
-    assert "    if MODE == \"a\" and not SWAP:\n        t = t - 1\n" in text      # MODE decides
+    assert "    if MODE == \"a\":\n        t = t - 1\n" in text      # MODE decides; `not SWAP` is true
 
 
 def flag_helper(t, FLAG, c):
@@ -88,28 +88,38 @@ def flag_helper(t, FLAG, c):
         t = t * 2
     if not FLAG or c > 1:
         t = t - 3
+    if abs(c) > 2 or FLAG:          # a call: its text is never dropped
+        t = t + 5
     return t
 
 
 def test_and_or_not_decided_by_one_known_operand():
     """``or`` with an operand known true is taken, ``and`` with one known false is not, whatever
-    the unknown others; otherwise the test stays as written."""
+    the other operands, when those are plain expressions (a call keeps its test); a test left
+    undecided loses the operands that change nothing."""
     assert specialised_source(flag_helper, dict(FLAG=True), header=False) == textwrap.dedent('''\
         def flag_helper(t, FLAG, c):
             t = t + 1
-            if FLAG and c > 0:
+            if c > 0:
                 t = t * 2
-            if not FLAG or c > 1:
+            if c > 1:
                 t = t - 3
+            if abs(c) > 2 or FLAG:          # a call: its text is never dropped
+                t = t + 5
             return t
         ''')
     assert specialised_source(flag_helper, dict(FLAG=False), header=False) == textwrap.dedent('''\
         def flag_helper(t, FLAG, c):
-            if FLAG or c > 0:
+            if c > 0:
                 t = t + 1
             t = t - 3
+            if abs(c) > 2:          # a call: its text is never dropped
+                t = t + 5
             return t
         ''')
+    # an operand that is itself an or/and keeps its parentheses beside another
+    text = specialised_source(mixed, dict(F=False), header=False)
+    assert "if (G or v > 9) and v > 1:" in text
 
 
 def test_an_elif_chain_becomes_an_if():
@@ -300,6 +310,10 @@ def mixed(v, F, G):
         v = v * 2
     if not F and v > 5:
         v = v - 3
+    if abs(v) > 2 or F:
+        v = v + 10
+    if (G or v > 9) and v > 1 and not F:
+        v = v * 3
     w = v if (G or v < 0) else -v
     return v, w
 
