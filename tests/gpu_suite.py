@@ -83,8 +83,8 @@ def outcomes(text):
 class Shard:
     """One slice of tests, run by one pytest process at a time until each has an outcome."""
 
-    def __init__(self, name, ids, out, cwd, env):
-        self.name, self.todo, self.out, self.cwd, self.env = name, list(ids), out, cwd, env
+    def __init__(self, name, ids, out, env):
+        self.name, self.todo, self.out, self.env = name, list(ids), out, env
         self.results, self.runs, self.proc, self.log = {}, 0, None, None
 
     def start(self):
@@ -92,7 +92,7 @@ class Shard:
         self.log = self.out / f"{self.name}.{self.runs}.log"
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(PYTEST + ["-v", "-W", "ignore::Warning", *self.todo],
-                                         cwd=self.cwd, env=self.env, stdout=f,
+                                         env=self.env, stdout=f,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def poll(self, restart=True):
@@ -102,7 +102,7 @@ class Shard:
         if self.proc is None or self.proc.poll() is None:
             return self.proc is not None
         self.proc = None
-        got = outcomes(self.log.read_text(errors="replace"))
+        got = self.logged()
         self.results.update(got)
         left = [t for t in self.todo if t not in self.results]
         if left and not any(t in got for t in self.todo):
@@ -114,17 +114,21 @@ class Shard:
             return True
         return False
 
+    def logged(self):
+        """The outcomes in its latest process's log (so far, while it runs)."""
+        return outcomes(self.log.read_text(errors="replace"))
+
     def done(self):
         """How many of its tests have an outcome, the running process's so far included."""
-        live = outcomes(self.log.read_text(errors="replace")) if self.proc is not None else {}
+        live = self.logged() if self.proc is not None else {}
         return len(self.results.keys() | live.keys())
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
-        if self.log is not None and self.log.exists():
-            self.results.update(outcomes(self.log.read_text(errors="replace")))
+        if self.log is not None:
+            self.results.update(self.logged())
         self.proc = None
 
 
@@ -174,7 +178,6 @@ def main(argv=None):
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cwd = Path.cwd()
     deadline = start + args.limit
     ids = collect(args.paths, "gpu", deadline - time.monotonic())
     alone = set(collect(args.paths, "gpu and gpu_memory", max(1.0, deadline - time.monotonic())))
@@ -182,11 +185,11 @@ def main(argv=None):
     print(f"{len(ids)} tests: {len(alone)} alone first, then {len(rest)} in "
           f"{min(args.procs, len(rest))} processes; logs in {out}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    first = [Shard("alone", [t for t in ids if t in alone], out, cwd, env)] if alone else []
+    first = [Shard("alone", [t for t in ids if t in alone], out, env)] if alone else []
     if first:
         run_all(first, deadline)
         print(f"alone: {time.monotonic() - start:.0f} s", flush=True)
-    shards = [Shard(f"shard{k}", part, out, cwd, env) for k, part in enumerate(slices(rest, args.procs))]
+    shards = [Shard(f"shard{k}", part, out, env) for k, part in enumerate(slices(rest, args.procs))]
     if shards and time.monotonic() < deadline:
         run_all(shards, deadline)
     results = {t: v for s in first + shards for t, v in s.results.items()}

@@ -311,14 +311,12 @@ def test_the_walks_variants_as_compiled(walk_code):
 def walk_times():
     """{(dstate, ((key, value) changed, ...)): speedup over the chain's config} of the walk on
     the H100."""
-    from ops.results.tuning_report import changes, load
-    entries = load(RESULTS / "autotune_backward_chunk128_h100.json", chunk_size=128)
-    walks = [e for e in entries if e["kernel"] == "bwd_pass_state"]
-    assert {e["device"] for e in walks} == {"NVIDIA H100 80GB HBM3"} and len(walks) == 3
-    times = {(e["shape"]["dstate"], tuple(sorted(changes(cfg, e["default"]).items()))):
-             e["default_ms"] / ms for e in walks for ms, cfg in e["timings"]}
-    assert len(times) == sum(len(e["timings"]) for e in walks)     # one entry per candidate
-    return times
+    walks = {key: run for key, run in _searched("autotune_backward_chunk128_h100.json",
+                                                "NVIDIA H100 80GB HBM3").items()
+             if key[0] == "bwd_pass_state"}
+    assert len(walks) == 3 and len({key[4] for key in walks}) == 3
+    return {(key[4], changed): default_ms / ms
+            for key, (default_ms, timings) in walks.items() for changed, ms in timings.items()}
 
 
 NEW_KEYS = {"ENTRY_BLOCK_T", "ENTRY_LAT", "CARRY_ACC", "ROW_PARTS"}
@@ -348,17 +346,19 @@ def test_the_walk_takes_one_key_at_a_time(walk_times):
     assert round(speedup(128, BLOCK_N=128, LOAD_LAT=0, occupancy=None), 2) == 1.14
 
 
-def _searched(path):
+def _searched(path, device):
     """{(kernel, batch, seqlen, nheads, dstate): (default's ms, {changes: ms})} of a search made
-    on the H200."""
+    on ``device`` at chunk 128, the changes as sorted ((key, value), ...) from the entry's
+    default, one per candidate."""
     from ops.results.tuning_report import changes, load
     out = {}
     entries = load(RESULTS / path, chunk_size=128)
-    assert {e["device"] for e in entries} == {"NVIDIA H200"}
+    assert {e["device"] for e in entries} == {device}
     for e in entries:
         key = (e["kernel"],) + tuple(int(e["shape"][k]) for k in ("batch", "seqlen", "nheads", "dstate"))
-        out[key] = (e["default_ms"], {tuple(sorted(changes(cfg, e["default"]).items())): ms
-                                      for ms, cfg in e["timings"]})
+        timings = {tuple(sorted(changes(cfg, e["default"]).items())): ms for ms, cfg in e["timings"]}
+        assert len(timings) == len(e["timings"]) and key not in out
+        out[key] = (e["default_ms"], timings)
     return out
 
 
@@ -368,7 +368,7 @@ def test_the_h200_search_agrees_at_dstate_64_and_not_at_128():
     and 2.7B-prefill shapes) row partials win (1.27x, 1.19x), the accumulator just behind (1.25x,
     1.18x); bwd_chunk_cumsum is 1.35-1.97x faster at four blocks per multiprocessor, the token
     kernels' winners 1.03-1.13x."""
-    runs = _searched("autotune_backward_chunk128_h200.json")
+    runs = _searched("autotune_backward_chunk128_h200.json", "NVIDIA H200")
     speed = lambda key, **c: runs[key][0] / runs[key][1][tuple(sorted(c.items()))]
     best = lambda key: runs[key][0] / min(runs[key][1].values())
     walks = {k: v for k, v in runs.items() if k[0] == "bwd_pass_state"}
