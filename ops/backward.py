@@ -140,8 +140,9 @@ BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bw
 # kernel as first written, for its standalone use), by shape: the pass over the states forms
 # dentry itself (``ops/kernels/backward/bwd_pass_state.py``'s FUSE_ENTRY: less time per training
 # step at chunks 64 and 128, ``tests/benchmark/results/bwd_fuse_entry_h200.csv``, and no dentry
-# buffer), in narrower tiles where its default's are 128 columns wide (``walk_config``). A config
-# given for the kernel is taken over these.
+# buffer), in narrower tiles where its default's are 128 columns wide, each chunk's product in
+# one piece at dstate 64 and chunk 128 (``walk_config``). A config given for the kernel is taken
+# over these.
 BACKWARD_DEFAULTS = {"bwd_pass_state": pass_state_walk}
 
 
@@ -162,8 +163,8 @@ def backward_config(configs, name, **shape):
 
 def pass_config(configs, **walk_shape):
     """``bwd_pass_state``'s whole config as ``kernel_backward`` runs it (``backward_config``'s
-    keys over the kernel's default); ``walk_shape``: headdim, dstate, dtype (the entry
-    states' as the kernels read them)."""
+    keys over the kernel's default); ``walk_shape``: headdim, dstate, chunk_size (the chunk the
+    kernels compute at), dtype (the entry states' as the kernels read them)."""
     return resolve_config(backward_config(configs, "bwd_pass_state", **walk_shape),
                           pass_state_config(**walk_shape))
 
@@ -272,7 +273,7 @@ def memory_accounting(*, batch, seqlen, nheads, headdim, ngroups, dstate, chunk_
     out_cfg = compute_out_resolved(configs.get("bwd_compute_out"), **shape)
     out_splits = per_group // out_cfg["HEADS_PER_BLOCK"]
     fused = out_cfg["FUSE_STATES"]
-    walk_shape = dict(headdim=headdim, dstate=dstate, dtype=entry_dtype)
+    walk_shape = dict(headdim=headdim, dstate=dstate, chunk_size=chunk_size, dtype=entry_dtype)
     ps_cfg = pass_config(configs, **walk_shape)
     fuse_entry = ps_cfg["FUSE_ENTRY"]
     dentry = {} if fuse_entry else {"dentry": states * f32}   # FUSE_ENTRY: formed in the pass
@@ -598,7 +599,8 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     # from dy and C (FUSE_ENTRY, BACKWARD_DEFAULTS): no dentry buffer, no entry launch; with
     # FUSE_ENTRY=False compute_out's dentry launch runs first, and dentry is freed before the
     # token kernel's dx exists (see "Memory").
-    walk_shape = dict(headdim=x.shape[3], dstate=B.shape[3], dtype=entry.dtype)
+    walk_shape = dict(headdim=x.shape[3], dstate=B.shape[3], chunk_size=chunk_size,
+                      dtype=entry.dtype)
     # bf16 inputs: the products round dS to bf16, so it is stored so.
     ds_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     pass_args = (dfinal, entry, dA_cumsum, seq_idx)

@@ -34,6 +34,7 @@ kept). Nothing here needs a GPU: a new measurement committed in their place says
 of the docstrings it changes.
 """
 import csv
+import json
 
 import pytest
 
@@ -291,8 +292,10 @@ def test_the_walks_variants_as_compiled(walk_code):
     """PERF_NOTES.md, "The walk's step": at every dstate ROW_PARTS takes the block-wide
     barriers from 12 to 2 and the shared stores from 36 to 4; at dstate 64 CARRY_ACC takes the
     instructions from 2704 to 1640 and the matrix instructions from 16 to 8, the chain's own
-    config runs 80 blocks of 255 registers, and the whole chunk, its hint and the row partials
-    on 32-column tiles at four blocks per multiprocessor twice the blocks at 64 registers."""
+    config (of then: 64-token tiles) runs 80 blocks of 255 registers, and the whole chunk, its
+    hint and the row partials on 32-column tiles at four blocks per multiprocessor twice the
+    blocks at 64 registers. The whole chunk alone, the chain's own at dstate 64 now
+    (``walk_config``), compiles without spills in 1912 instructions and 7 barriers."""
     together = "ENTRY_BLOCK_T=128 ENTRY_LAT=8 ROW_PARTS=True"
     value = lambda dstate, config, key: int(walk_code[dstate, config][key])
     for dstate in (64, 128, 256):
@@ -305,6 +308,14 @@ def test_the_walks_variants_as_compiled(walk_code):
     assert (value(64, "chain's own", "blocks"), value(64, "chain's own", "registers")) == (80, 255)
     narrow = f"BLOCK_N=32 occupancy=4 {together}"
     assert (value(64, narrow, "blocks"), value(64, narrow, "registers")) == (160, 64)
+    whole = [value(64, "ENTRY_BLOCK_T=128", k) for k in ("instructions", "bar", "spill_bytes")]
+    assert whole == [1912, 7, 0]
+    import torch
+    from ops.kernels.backward.bwd_pass_state import walk_config
+    config = lambda name: json.loads(walk_code[64, name]["config_json"])
+    assert config("ENTRY_BLOCK_T=128") == {
+        **config("chain's own"),
+        **walk_config(headdim=64, dstate=64, chunk_size=128, dtype=torch.bfloat16)}
 
 
 @pytest.fixture(scope="module")

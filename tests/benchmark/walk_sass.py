@@ -12,6 +12,14 @@ from the chain's own config, the first row of each dstate.
 
 The counts are static (a loop's body counts once), so they say what a step of the walk waits
 on, not how long: the tuner's timings (``python -m ops.tools.tune search --backward-only``) decide.
+
+The committed ``results/bwd_pass_state_walk_sass_sm90.csv`` was compiled when the chain's own
+config formed each chunk's product in 64-token tiles at every dstate: its rows are the space the
+committed searches timed (``autotune_backward_chunk128_h100.json``, ``..._h200.json``), labelled
+as their timings are, from that config. Since then the chain takes the whole chunk at dstate 64
+(``bwd_pass_state.walk_config``), which that CSV holds as ``ENTRY_BLOCK_T=128``; a new run
+labels the dstate-64 rows from it, and its space keeps the 64-token tiles (``ENTRY_BLOCK_T=64``)
+and no longer pairs them with the other keys.
 """
 import argparse
 import csv

@@ -153,24 +153,37 @@ def test_without_dinitial_the_walk_stops_at_chunk_0(device, fuse):
     assert torch.equal(short[0], full[0]) and torch.equal(short[1], full[1])
 
 
-def test_walk_config_narrows_only_128_column_tiles():
+def test_walk_config_by_tile_width():
     """The backward's keys: FUSE_ENTRY everywhere; 64-column tiles at two blocks per
     multiprocessor with LOAD_LAT 8 only where the default tile is 128 columns wide (16-bit entry
-    states, dstate's tile 128 and up), nothing else changed; a caller's config still wins."""
+    states, dstate's tile 128 and up); each chunk's product in one piece only where dstate's
+    tile is 64 and the chunk 128; nothing else changed; a caller's config still wins."""
     from ops.backward import backward_config
     narrowed = {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
+    whole = {"FUSE_ENTRY": True, "ENTRY_BLOCK_T": 128}
     for dtype in (torch.bfloat16, torch.float16):
         for dstate in (100, 128, 200, 256, 512):          # dstate's tile 128 and up
-            assert mod.walk_config(headdim=64, dstate=dstate, dtype=dtype) == narrowed
-        for dstate in (16, 40, 64):
-            assert mod.walk_config(headdim=64, dstate=dstate, dtype=dtype) == {"FUSE_ENTRY": True}
+            for chunk in (None, 64, 128, 256):
+                assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=chunk,
+                                       dtype=dtype) == narrowed
+        for dstate in (16, 32, 40, 64):
+            for chunk in (None, 64, 128, 256):
+                want = whole if dstate > 32 and chunk == 128 else {"FUSE_ENTRY": True}
+                assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=chunk,
+                                       dtype=dtype) == want, (dstate, chunk)
     assert mod.walk_config(headdim=64, dstate=256, dtype=torch.float32) == {"FUSE_ENTRY": True}
-    assert mod.walk_config(headdim=64, dstate=256, dtype=torch.bfloat16,
+    assert mod.walk_config(headdim=64, dstate=256, chunk_size=128, dtype=torch.bfloat16,
                            states_dtype=torch.float32) == {"FUSE_ENTRY": True}
-    shape = dict(headdim=64, dstate=128, dtype=torch.bfloat16)
+    assert mod.walk_config(headdim=64, dstate=64, chunk_size=128, dtype=torch.bfloat16,
+                           states_dtype=torch.float32) == whole
+    shape = dict(headdim=64, dstate=128, chunk_size=128, dtype=torch.bfloat16)
     assert backward_config(None, "bwd_pass_state", **shape) == narrowed
     assert backward_config({"bwd_pass_state": {"BLOCK_N": 32}}, "bwd_pass_state",
                            **shape) == {**narrowed, "BLOCK_N": 32}
+    at64 = dict(shape, dstate=64)
+    assert backward_config(None, "bwd_pass_state", **at64) == whole
+    assert backward_config({"bwd_pass_state": {"ENTRY_BLOCK_T": 64}}, "bwd_pass_state",
+                           **at64) == {**whole, "ENTRY_BLOCK_T": 64}
     assert backward_config(None, "bwd_chunk_cumsum", **shape) == {}
 
 
@@ -303,6 +316,9 @@ def test_walk_space():
         assert any(c[key] == value for c in space), key
     at64 = mod.walk_space(**{**WALK, "dstate": 64, "batch": 1, "nheads": 80})
     assert {c["BLOCK_N"] for c in at64} == {64, 32, 16}
+    # at dstate 64 the whole chunk is the chain's own; the 64-token tiles are still timed
+    assert at64[0]["ENTRY_BLOCK_T"] == 128 and space[0]["ENTRY_BLOCK_T"] == 64
+    assert {**at64[0], "ENTRY_BLOCK_T": 64} in at64
     # row partials: headdim 64's rows times dstate's column tiles, whatever the row tile; at
     # dstate 256 in 64-column tiles 256 of them (the limit), at 512 over it
     at256 = mod.walk_space(**{**WALK, "dstate": 256})
@@ -338,6 +354,35 @@ def test_walk_space_compiles_for_sm_90(config):
     from ops.tools.aot import compile_cubin
     plan = walk_meta_plan(config, 64)
     assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch, states, spilled", [
+    ("sm_90", torch.bfloat16, 0), ("sm_100", torch.bfloat16, 0), ("sm_90", torch.float32, 0),
+    ("sm_80", torch.bfloat16, 48)])
+def test_the_chains_walk_at_dstate_64_forms_the_whole_chunk(arch, states, spilled):
+    """``walk_config`` at dstate 64 and chunk 128 (each chunk's product in one piece), as the
+    backward runs it (``ops.backward.pass_config``), with 16-bit and float32 entry states,
+    compiled at the 16K-token layer above: no register spilled for Hopper and Blackwell; for
+    sm_80 48 bytes a thread each way (``walk_config``'s docstring), where the 64-token tiles
+    spill none."""
+    from ops.backward import pass_config
+    from ops.tools.sass import sass_report
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")
+
+    def report(config):
+        plan = bwd_pass_state_plan(None, None, meta(1, 128, 80, 64, 64, dt=states),
+                                   meta(1, 80, 128, 128, dt=torch.float32), None, config=config,
+                                   ds_dtype=torch.bfloat16, dy=meta(1, 16384, 80, 64),
+                                   C=meta(1, 16384, 1, 64), with_dinitial=False)
+        return sass_report(plan.kernel, plan.args, arch)
+
+    config = pass_config(None, headdim=64, dstate=64, chunk_size=128, dtype=states)
+    assert config["ENTRY_BLOCK_T"] == 128 and config["FUSE_ENTRY"]
+    whole = report(config)
+    assert whole.spill_load_bytes == whole.spill_store_bytes == spilled, whole
+    if spilled:
+        tiles = report({**config, "ENTRY_BLOCK_T": 64})
+        assert tiles.spill_load_bytes == tiles.spill_store_bytes == 0, tiles
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_100"])

@@ -181,23 +181,39 @@ def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
                 CARRY_ACC=False, ROW_PARTS=False)
 
 
-def walk_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
+def walk_config(*, headdim, dstate, chunk_size=None, dtype=None, states_dtype=None, **_):
     """The keys ``ops/backward.py`` runs this kernel with over ``default_config`` (a caller's
-    config is taken over them): FUSE_ENTRY (module docstring), and where ``state_tiles`` gives
-    128-column tiles (16-bit entry states, dstate's tile 128 and up) 64-column tiles at two
-    blocks per multiprocessor with LOAD_LAT 8: twice the blocks of a walk that is latency-bound
-    on its chunk-by-chunk loads, two of them resident per multiprocessor. A training step's scan
-    took 2-3% less time at the 2.7B training shape, 16K x dstate 128 and 64K x dstate 256;
-    without the two blocks the 64-column tiles were 3-6% slower at the first two (at most 1.4%
-    faster at the third), 32 x 64 tiles at two blocks slower at all three, and LOAD_LAT 8
-    alone changed nothing (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``).
-    Narrower tiles (float32 entry states, dstate's tile 64 and below) are left as they are. What
-    beats these keys differs by shape and GPU (``walk_space``'s docstring): the table holds the
-    winners."""
+    config is taken over them), by the width of ``state_tiles``' tiles:
+
+      * FUSE_ENTRY everywhere (module docstring);
+      * 128-column tiles (16-bit entry states, dstate's tile 128 and up): 64-column tiles at two
+        blocks per multiprocessor with LOAD_LAT 8, twice the blocks of a walk that is
+        latency-bound on its chunk-by-chunk loads, two of them resident per multiprocessor. A
+        training step's scan took 2-3% less time at the 2.7B training shape, 16K x dstate 128
+        and 64K x dstate 256; without the two blocks the 64-column tiles were 3-6% slower at the
+        first two (at most 1.4% faster at the third), 32 x 64 tiles at two blocks slower at all
+        three, and LOAD_LAT 8 alone changed nothing
+        (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``);
+      * dstate's tile 64 at chunk 128 (``chunk_size``, the chunk the backward computes at): each
+        chunk's dentry product in one piece (ENTRY_BLOCK_T 128) instead of 64-token tiles in a
+        loop whose trip count is only known at run time (the last chunk may be short).
+        Timed alone, the walk took 1.47-1.53x less time so at every dstate-64 shape searched, on
+        an H100 and an H200 (1 x 16K and 1 x 64K tokens x 80 heads, chunk 128;
+        ``tests/benchmark/results/autotune_backward_chunk128_h100.json``, ``..._h200.json``),
+        the best of ``walk_space`` each time. Compiled for sm_90 and sm_100 it spills no
+        register; for sm_80, where no GPU has timed it, 48 bytes a thread each way (the tiles:
+        none). Other chunks keep the tiles: 64 is one tile already, 256 (at dstate 64 below 4K
+        tokens, ``ops/tuning/compute_chunk.py``) was not measured.
+
+    Other tiles (float32 entry states at dstate 128 and up, dstate's tile 32 and below) are left
+    as they are. What beats these keys differs by shape and GPU at dstate 128 and up
+    (``walk_space``'s docstring): the table holds the winners."""
     tiles = default_config(headdim=headdim, dstate=dstate, dtype=dtype, states_dtype=states_dtype)
-    if tiles["BLOCK_N"] < 128:
-        return {"FUSE_ENTRY": True}
-    return {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
+    if tiles["BLOCK_N"] >= 128:
+        return {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
+    if tile_size(dstate) == 64 and chunk_size == 128:
+        return {"FUSE_ENTRY": True, "ENTRY_BLOCK_T": 128}
+    return {"FUSE_ENTRY": True}
 
 
 def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
@@ -225,11 +241,13 @@ def search_space(*, headdim, dstate, batch=1, nheads=1, **shape):
 
 def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
     """The walk's variants as ``ops/backward.py`` runs it (FUSE_ENTRY), the chain's own config
-    (``default_config`` with ``walk_config``'s keys) first: ``search_space``'s, fused, and
-    those of how a step forms its chunk's dentry product, what the step waits on being the
-    walk's time (one block per state tile walks every chunk in turn):
+    (``default_config`` with ``walk_config``'s keys) first: ``search_space``'s, fused (with
+    the chain's ENTRY_BLOCK_T), and those of how a step forms its chunk's dentry product, what
+    the step waits on being the walk's time (one block per state tile walks every chunk in
+    turn):
       * the whole chunk in one product (ENTRY_BLOCK_T = the chunk) instead of 64-token tiles
-        in a loop whose trip count is only known at run time (the last chunk may be short);
+        in a loop whose trip count is only known at run time (the last chunk may be short), or
+        the tiles where the whole chunk is the chain's own;
       * the latency hint on the product's dy and C loads (ENTRY_LAT), which no other key
         reaches;
       * the decayed gradient as the product's accumulator (CARRY_ACC): one add and one
@@ -253,15 +271,18 @@ def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
     ``walk_sass.py``: ROW_PARTS takes the block-wide barriers from 12 to 2 and was 1.11-1.36x).
     The H200's search (``autotune_backward_chunk128_h200.json``) agrees at dstate 64 (the whole
     chunk 1.47-1.50x at 16K and 64K tokens) and not at dstate 128, where ROW_PARTS won (1.19-1.27x
-    at the 130M and 2.7B-prefill shapes), CARRY_ACC just behind. So no key is a default: the
-    winners are the table's entries, per GPU; PERF_NOTES.md, "The walk's step"."""
+    at the 130M and 2.7B-prefill shapes), CARRY_ACC just behind. So the whole chunk is the
+    chain's own at dstate 64 (``walk_config``; the 64-token tiles stay in the space, to be
+    timed against it), and at dstate 128 and up no key is: the winners are the table's entries,
+    per GPU; PERF_NOTES.md, "The walk's step"."""
     sizes = dict(headdim=headdim, dstate=dstate, **shape)
-    base = {**default_config(**sizes), **walk_config(**sizes)}
-    configs = [base] + [{**c, "FUSE_ENTRY": True}
+    base = {**default_config(**sizes), **walk_config(chunk_size=chunk_size, **sizes)}
+    configs = [base] + [{**c, "FUSE_ENTRY": True, "ENTRY_BLOCK_T": base["ENTRY_BLOCK_T"]}
                         for c in search_space(batch=batch, nheads=nheads, **sizes)]
     whole = min(chunk_size, 256)
     together = dict(ENTRY_BLOCK_T=whole, ENTRY_LAT=8, ROW_PARTS=True)
-    configs += [{**base, "ENTRY_BLOCK_T": whole}, {**base, "ENTRY_LAT": 4},
+    configs += [{**base, "ENTRY_BLOCK_T": whole}, {**base, "ENTRY_BLOCK_T": 64},
+                {**base, "ENTRY_LAT": 4},
                 {**base, "ENTRY_LAT": 8}, {**base, "CARRY_ACC": True},
                 {**base, "ROW_PARTS": True}, {**base, "ENTRY_BLOCK_T": whole, "ENTRY_LAT": 8},
                 {**base, "ENTRY_BLOCK_T": whole, "ROW_PARTS": True}, {**base, **together},
