@@ -23,6 +23,8 @@ token launches, one test per statement, read from the H200 measurements committe
                                  candidate's time, the walk's variants among them
     autotune_backward_chunk128_h200.json  the same search on the H200 (dstate 64 at 16K and
                                  64K, the 130M and 2.7B-prefill shapes)
+    autotune_backward_chunk128_4k_dstate64_h100.json  the same on an H100 at 1 x 4K, dstate 64,
+                                 the whole chunk the walk's own
     fwd_bwd_chunks_dstate64_h200.csv  a step at dstate 64 computing at 256, 128 and 64, and
                                  TileGym's, graph-replayed (``fwd_bwd.py``)
     fwd_bwd_models_h200.csv      a step at the model shapes, Triton / this project / TileGym in
@@ -394,6 +396,27 @@ def test_the_h200_search_agrees_at_dstate_64_and_not_at_128():
     assert round(min(cumsum), 2) == 1.35 and round(max(cumsum), 2) == 1.97
     token = [best(k) for k in runs if k[0] == "bwd_compute_out"]
     assert round(min(token), 2) == 1.03 and round(max(token), 2) == 1.13
+
+
+def test_the_h100_search_at_4k_dstate_64_keeps_the_whole_chunk():
+    """bwd_pass_state.walk_config and PERF_NOTES.md, "The walk's step": searched on an H100 at
+    1 x 4K x 80 heads of dstate 64 once the whole chunk was the chain's own, the walk kept it
+    (no candidate was picked over it), the 64-token tiles 1.44x slower; the token kernel's
+    winner was 1.04x its default, bwd_chunk_cumsum's (eight heads a block, LOAD_LAT 8) 1.16x."""
+    from ops.results.tuning_report import changes, load
+    path, key = "autotune_backward_chunk128_4k_dstate64_h100.json", lambda k: (k, 1, 4096, 80, 64)
+    runs = _searched(path, "NVIDIA H100 80GB HBM3")
+    assert sorted(runs) == sorted(key(k) for k in ("bwd_pass_state", "bwd_compute_out",
+                                                   "bwd_chunk_cumsum"))
+    entries = {e["kernel"]: e for e in load(RESULTS / path, chunk_size=128)}
+    walk = entries["bwd_pass_state"]
+    assert walk["default"]["ENTRY_BLOCK_T"] == 128 and walk["config"] == walk["default"]
+    default_ms, timings = runs[key("bwd_pass_state")]
+    assert round(timings[(("ENTRY_BLOCK_T", 64),)] / default_ms, 2) == 1.44
+    gain = lambda kernel: entries[kernel]["default_ms"] / entries[kernel]["ms"]
+    assert round(gain("bwd_compute_out"), 2) == 1.04 and round(gain("bwd_chunk_cumsum"), 2) == 1.16
+    cumsum = entries["bwd_chunk_cumsum"]
+    assert changes(cumsum["config"], cumsum["default"]) == {"BLOCK_H": 8, "LOAD_LAT": 8}
 
 
 def _graph_ms(path):

@@ -200,7 +200,9 @@ def walk_config(*, headdim, dstate, chunk_size=None, dtype=None, states_dtype=No
         Timed alone, the walk took 1.47-1.53x less time so at every dstate-64 shape searched, on
         an H100 and an H200 (1 x 16K and 1 x 64K tokens x 80 heads, chunk 128;
         ``tests/benchmark/results/autotune_backward_chunk128_h100.json``, ``..._h200.json``),
-        the best of ``walk_space`` each time. Compiled for sm_90 and sm_100 it spills no
+        the best of ``walk_space`` each time; searched once it was the rule, at 1 x 4K on an
+        H100, it stayed the best, the tiles 1.44x slower
+        (``autotune_backward_chunk128_4k_dstate64_h100.json``). Compiled for sm_90 and sm_100 it spills no
         register; for sm_80, where no GPU has timed it, 48 bytes a thread each way (the tiles:
         none). Other chunks keep the tiles: 64 is one tile already, 256 (at dstate 64 below 4K
         tokens, ``ops/tuning/compute_chunk.py``) was not measured.
