@@ -1123,15 +1123,19 @@ def test_tilegym_winners_are_searched_once_and_kept(tmp_path, monkeypatch):
     assert run(configs) is configs[1] and len(searched) == 5          # searched again
 
 
-def test_a_bad_winners_file_is_refused_naming_it(tmp_path):
-    """fwd_bwd --tilegym-winners: a file that is not a winners file, or a path whose folder does
-    not exist, stops the run before any search, naming the file."""
-    from tests.benchmark import fwd_bwd
+def test_a_bad_winners_file_is_refused_naming_it(tmp_path, capsys):
+    """fwd_bwd and profile_fwd_bwd --tilegym-winners: a file that is not a winners file, or a path
+    whose folder does not exist, stops the run before any search, naming the file."""
+    from tests.benchmark import fwd_bwd, profile_fwd_bwd
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2")
     for path, says in ((bad, "not a winners file"), (tmp_path / "no" / "w.json", "does not exist")):
-        with pytest.raises(SystemExit):
-            fwd_bwd.main(["--tilegym-winners", str(path), "--models"])
+        for main, more in ((fwd_bwd.main, ["--models"]),
+                           (profile_fwd_bwd.main, ["--tilegym-chunk", "64"])):
+            with pytest.raises(SystemExit):
+                main(["--tilegym-winners", str(path), *more])
+            err = capsys.readouterr().err
+            assert path.name in err and says in err, err
     from tests.benchmark.warm_compile import read_winners
     with pytest.raises(ValueError, match="bad.json: not a winners file"):
         read_winners(bad)

@@ -18,6 +18,7 @@ run here:
 What the compiler accepts is checked by compiling ahead of time for sm_90 on this CPU
 (``ops.tools.aot.compile_cubin``), a few small kernels only.
 """
+import functools
 import importlib.metadata
 import inspect
 import os
@@ -36,7 +37,14 @@ from ops.tools import aot, sass
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = ROOT / "notebooks" / "CHEATSHEET.md"
-TEXT = PAGE.read_text(encoding="utf-8")
+
+
+@functools.cache
+def page_text():
+    """The page's text, read on first use (a tree without the notebooks still collects)."""
+    return PAGE.read_text(encoding="utf-8")
+
+
 MISTAKES_TITLE = "Common mistakes, and what the interpreter says"
 CLAIM_TABLES = ("The model", "Memory", "Tiles")
 
@@ -45,7 +53,7 @@ CLAIM_TABLES = ("The model", "Memory", "Tiles")
 
 def section(title):
     """The text of the page's ``## title`` section."""
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", TEXT, re.M | re.S)
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", page_text(), re.M | re.S)
     assert match, f"CHEATSHEET.md has no section '## {title}'"
     return match.group(1)
 
@@ -941,12 +949,12 @@ def test_blocks_run_one_after_another():
 def test_pins_paths_and_references():
     """The page's version pin is the project's and the installed one; the files, folders and
     README section it names exist; it tells how to run another project's kernel."""
-    pin = re.search(r"this project pins `([^`]+)`", TEXT).group(1)
+    pin = re.search(r"this project pins `([^`]+)`", page_text()).group(1)
     assert f"cuda-tile{pin}" in (ROOT / "requirements.txt").read_text().split()
     assert importlib.metadata.version("cuda-tile").startswith("1.7.")
-    paths = {p for p in re.findall(r"`(ops/[\w/.]*)`", TEXT)}
+    paths = {p for p in re.findall(r"`(ops/[\w/.]*)`", page_text())}
     assert {"ops/core/", "ops/interpreter/", "ops/core/chunk_cumsum.py"} <= paths
     for path in paths:
         assert (ROOT / path).exists(), path
     assert "### Your own kernels" in (ROOT / "README.md").read_text()
-    assert "`ops.interpreter.launch(grid, kernel, args)`" in TEXT
+    assert "`ops.interpreter.launch(grid, kernel, args)`" in page_text()
