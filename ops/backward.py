@@ -176,7 +176,8 @@ def pass_config(configs, **walk_shape):
 # chain's own choice; ``MAMBA2_CUTILE_AUTOTUNE=1`` searches where the cache does not know the
 # shape, ``=0`` runs the chain's choices). A kernel is timed alone, on the chain's real inputs,
 # among the variants the chain can run in its place (``chain_space``): the others' work does not
-# change with its config. ``python -m ops.tools.tune search --backward`` searches shapes ahead.
+# change with its config. The token kernel is timed with the sums of dB's and dC's partials over
+# its head splits, whose number its config sets (HEADS_PER_BLOCK). ``python -m ops.tools.tune search --backward`` searches shapes ahead.
 
 BACKWARD_KERNELS = {"bwd_compute_out": compute_out_module, "bwd_pass_state": pass_state_module,
                     "bwd_chunk_states": chunk_states_module,
@@ -625,8 +626,13 @@ def kernel_backward(dout, dfinal, x, dt, A, B, C, chunk_size, D=None, z=None, dt
     # fused, those through each chunk's own state; then dx is complete, in its final dtype.
     token_options = dict(poison=poison, dS=dS if fused else None, D=D,
                          dx_dtype=out_dtype("x") if fused else torch.float32)
-    co_config = tuned_config("bwd_compute_out", configs, tuning, features, lambda c: run(
-        bwd_compute_out_plan(*out_inputs, config=c, launches="tokens", **token_options)))
+
+    def time_tokens(c):
+        # with the sums of dB's and dC's head-split partials: their number is the config's
+        outputs = run(bwd_compute_out_plan(*out_inputs, config=c, launches="tokens",
+                                           **token_options))
+        return outputs, sum_splits(outputs[1]), sum_splits(outputs[2])
+    co_config = tuned_config("bwd_compute_out", configs, tuning, features, time_tokens)
     if compute_out_resolved(co_config, **co_shape)["SPLIT_DX"]:
         # the token work's two launches as two plans: the states launch (the last reader of
         # the entry states and of d(C B^T)'s partials), then dB's and dC's partials summed,

@@ -365,17 +365,23 @@ def test_the_backward_asks_the_tuner_for_every_kernel(tmp_path, monkeypatch, con
     backward kernel really launches (through the interpreter) on the chain's own inputs, a
     winner is cached per kernel (the forward's kernels of the recompute too), a kernel given a
     config is not searched, and the gradients with the winners match the untuned ones (those
-    of the kernels that accumulate into their inputs too: their search runs on copies)."""
+    of the kernels that accumulate into their inputs too: their search runs on copies). The
+    token kernel's candidates are timed with the sums of dB's and dC's head-split partials
+    (their number is the config's), and nothing else is."""
     import torch
     import ops.tuning.autotune as autotune
     import ops.backward as bwd
     from reference.problems import make_problem
     from reference.validate import rel_err
 
-    launched = []
+    launched, sums, summed_per_run = [], [], []
+    real_sum_splits = bwd.sum_splits
+    monkeypatch.setattr(bwd, "sum_splits", lambda parts: sums.append(1) or real_sum_splits(parts))
 
     def measure(fn):
+        before = len(sums)
         fn()
+        summed_per_run.append(len(sums) - before)
         launched.append(1)
         return float(len(launched) % 5 + 1)      # an arbitrary but fixed ranking
 
@@ -405,6 +411,8 @@ def test_the_backward_asks_the_tuner_for_every_kernel(tmp_path, monkeypatch, con
     assert set(got) == set(want)
     for name in want:
         assert rel_err(got[name], want[name]) < 1e-5, name
+    tokens = [v["candidates"] for k, v in cache.items() if k.startswith("bwd_compute_out|")]
+    assert summed_per_run.count(2) == sum(tokens) and set(summed_per_run) <= {0, 2}
 
 
 def test_the_backward_on_a_gpu_takes_the_table_by_default(monkeypatch, tmp_path):
