@@ -155,7 +155,8 @@ def entry_read_dtype(x_dtype, stored_dtype):
 
 def backward_config(configs, name, **shape):
     """The config ``kernel_backward`` runs backward kernel ``name`` with at ``shape`` (headdim,
-    dstate, dtype: the entry states' as the kernels read them): ``BACKWARD_DEFAULTS``' keys for
+    dstate, chunk_size: the chunk the kernels compute at, dtype: the entry states' as the
+    kernels read them): ``BACKWARD_DEFAULTS``' keys for
     the shape, then those of ``configs[name]`` (a missing key: the kernel's default)."""
     chain = BACKWARD_DEFAULTS[name](**shape) if name in BACKWARD_DEFAULTS else {}
     return {**chain, **((configs or {}).get(name) or {})}
@@ -177,7 +178,8 @@ def pass_config(configs, **walk_shape):
 # shape, ``=0`` runs the chain's choices). A kernel is timed alone, on the chain's real inputs,
 # among the variants the chain can run in its place (``chain_space``): the others' work does not
 # change with its config. The token kernel is timed with the sums of dB's and dC's partials over
-# its head splits, whose number its config sets (HEADS_PER_BLOCK). ``python -m ops.tools.tune search --backward`` searches shapes ahead.
+# its head splits, whose number its config sets (HEADS_PER_BLOCK).
+# ``python -m ops.tools.tune search --backward`` searches shapes ahead.
 
 BACKWARD_KERNELS = {"bwd_compute_out": compute_out_module, "bwd_pass_state": pass_state_module,
                     "bwd_chunk_states": chunk_states_module,

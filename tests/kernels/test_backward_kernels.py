@@ -211,16 +211,19 @@ def test_bfloat16_entry_states_of_float32_inputs(launched):
 # GPU ----------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_on_gpu(launched, dtype):
+@pytest.mark.parametrize("dtype, chunk", [(torch.float32, 256), (torch.bfloat16, 256),
+                                          (torch.bfloat16, 128)],
+                         ids=["fp32", "bf16", "bf16-chunk128"])
+def test_on_gpu(launched, dtype, chunk):
     """The same through the compiled kernels: batch 2 x 512 tokens (three packed sequences,
-    one boundary inside a chunk), 8 heads of 64 x 64, chunk 256 (Mamba-2's own), against
-    autograd through the float64 recurrence on the GPU. Bounds twice the CPU ones' margin
-    (float32 1e-4, bf16 2e-2): the sums run over 256-token chunks and 64-wide states, eight
-    times the CPU shapes' chunk."""
+    one boundary inside a chunk), 8 heads of 64 x 64, chunk 256 (Mamba-2's own; and 128, where
+    the pass over the states forms each chunk's product in one piece, ``walk_config``),
+    against autograd through the float64 recurrence on the GPU. Bounds twice the CPU ones'
+    margin (float32 1e-4, bf16 2e-2): the sums run over 256-token chunks and 64-wide states,
+    eight times the CPU shapes' chunk."""
     kw = problem(dtype, batch=2, seqlen=512, nheads=8, headdim=64, dstate=64, seq=[100, 256],
                  device="cuda")
-    fn = lambda i: mamba_chunk_scan_combined(**i, chunk_size=256, **OPTIONS,
+    fn = lambda i: mamba_chunk_scan_combined(**i, chunk_size=chunk, **OPTIONS,
                                              return_final_states=True, backend="cutile")
     ours = gradients(fn, kw)
     assert BACKWARD_KERNELS <= set(launched)
@@ -524,6 +527,37 @@ def test_the_accounting_of_kept_intermediates():
     assert parts(2) == 64 * parts(1)
 
 
+def test_the_walk_runs_walk_configs_keys_for_the_chunk_it_computes_at(monkeypatch):
+    """``kernel_backward`` runs the pass over the states with ``walk_config``'s keys for the
+    chunk it is given (the one the kernels compute at): at dstate 64 and chunk 128 with bf16
+    inputs each chunk's product in one piece, the config ``chain_space`` names the chain's own
+    (so that a table or a search that finds it is not taken for another); 64-token tiles at
+    chunk 64 and with float32 inputs. The one-piece walk's gradients equal the 64-token tiles'
+    to bf16 rounding (the product's sums in another order)."""
+    import ops.backward as bwd
+    seen = []
+    real = bwd.bwd_pass_state_plan
+    monkeypatch.setattr(bwd, "bwd_pass_state_plan",
+                        lambda *a, **k: seen.append(k["config"]) or real(*a, **k))
+    for dtype, chunk, block_t in ((torch.bfloat16, 128, 128), (torch.bfloat16, 64, 64),
+                                  (torch.float32, 128, 64)):
+        kw = problem(dtype, batch=1, seqlen=160, nheads=2, ngroups=1, dstate=64)
+        args = (weights(kw).to(dtype), None, kw["x"], kw["dt"], kw["A"], kw["B"], kw["C"], chunk)
+        opts = dict(D=kw["D"], dt_bias=kw["dt_bias"], **OPTIONS)
+        got = bwd.kernel_backward(*args, **opts)
+        assert seen[-1]["ENTRY_BLOCK_T"] == block_t and seen[-1]["FUSE_ENTRY"], (dtype, chunk)
+        own, _ = bwd.chain_space("bwd_pass_state", dict(
+            batch=1, seqlen=160, nheads=2, headdim=16, ngroups=1, dstate=64, chunk_size=chunk,
+            dtype=dtype, states_dtype=dtype))
+        assert seen[-1] == own
+        if block_t == 128:
+            tiles = bwd.kernel_backward(*args, **opts,
+                                        configs={"bwd_pass_state": {"ENTRY_BLOCK_T": 64}})
+            assert seen[-1]["ENTRY_BLOCK_T"] == 64
+            for name in got:
+                assert rel_err(got[name].float(), tiles[name].float()) < 1e-2, name
+
+
 def test_the_accounting_counts_the_pass_partials_the_plan_makes():
     """The pass' partials of d dA[last] as ``memory_accounting`` counts them are the bytes of
     the buffer ``bwd_pass_state_plan`` allocates, one a state tile by default and one a row of
@@ -536,7 +570,7 @@ def test_the_accounting_counts_the_pass_partials_the_plan_makes():
     for config in ({}, {"ROW_PARTS": True, "BLOCK_N": 32}, {"ROW_PARTS": True}):
         counted = bwd.memory_accounting(**shape, configs={"bwd_pass_state": config})
         config = bwd.pass_config({"bwd_pass_state": config}, headdim=64, dstate=128,
-                                 dtype=torch.bfloat16)
+                                 chunk_size=128, dtype=torch.bfloat16)
         plan = bwd_pass_state_plan(None, None, meta(2, 16, 8, 64, 128),
                                    meta(2, 8, 16, 128, dt=torch.float32), None, config=config,
                                    ds_dtype=torch.bfloat16, dy=meta(2, 2048, 8, 64),

@@ -124,7 +124,8 @@ def test_fused_entry_compiles(arch, walk):
     from ops.tools.aot import compile_cubin
     meta = lambda *s, dt=torch.float32: torch.empty(s, dtype=dt, device="meta")
     bf = torch.bfloat16
-    config = mod.walk_config(headdim=64, dstate=128, dtype=bf) if walk else dict(FUSE_ENTRY=True)
+    config = (mod.walk_config(headdim=64, dstate=128, chunk_size=256, dtype=bf) if walk
+              else dict(FUSE_ENTRY=True))
     plan = bwd_pass_state_plan(None, meta(1, 80, 64, 128), meta(1, 64, 80, 64, 128, dt=bf),
                                meta(1, 80, 64, 256), meta(1, 16384, dt=torch.int32),
                                config=config, ds_dtype=bf,
@@ -157,7 +158,9 @@ def test_walk_config_by_tile_width():
     """The backward's keys: FUSE_ENTRY everywhere; 64-column tiles at two blocks per
     multiprocessor with LOAD_LAT 8 only where the default tile is 128 columns wide (16-bit entry
     states, dstate's tile 128 and up); each chunk's product in one piece only where dstate's
-    tile is 64 and the chunk 128; nothing else changed; a caller's config still wins."""
+    tile is 64, the chunk 128 and the entry states read in bf16 (bf16 inputs and states: fp16
+    and float32 inputs were not timed, and spill with it); nothing else changed; a caller's
+    config still wins; the chunk must be given."""
     from ops.backward import backward_config
     narrowed = {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
     whole = {"FUSE_ENTRY": True, "ENTRY_BLOCK_T": 128}
@@ -166,16 +169,22 @@ def test_walk_config_by_tile_width():
             for chunk in (None, 64, 128, 256):
                 assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=chunk,
                                        dtype=dtype) == narrowed
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for dstate in (16, 32, 40, 64):
             for chunk in (None, 64, 128, 256):
-                want = whole if dstate > 32 and chunk == 128 else {"FUSE_ENTRY": True}
-                assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=chunk,
-                                       dtype=dtype) == want, (dstate, chunk)
-    assert mod.walk_config(headdim=64, dstate=256, dtype=torch.float32) == {"FUSE_ENTRY": True}
-    assert mod.walk_config(headdim=64, dstate=256, chunk_size=128, dtype=torch.bfloat16,
-                           states_dtype=torch.float32) == {"FUSE_ENTRY": True}
+                one_piece = dtype == torch.bfloat16 and dstate > 32 and chunk == 128
+                assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=chunk, dtype=dtype
+                                       ) == (whole if one_piece else {"FUSE_ENTRY": True})
+    for dstate in (64, 256):
+        assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=128,
+                               dtype=torch.float32) == {"FUSE_ENTRY": True}
+        for states in (torch.float32, torch.float16):     # read as float32
+            assert mod.walk_config(headdim=64, dstate=dstate, chunk_size=128, dtype=torch.bfloat16,
+                                   states_dtype=states) == {"FUSE_ENTRY": True}
     assert mod.walk_config(headdim=64, dstate=64, chunk_size=128, dtype=torch.bfloat16,
-                           states_dtype=torch.float32) == whole
+                           states_dtype=torch.bfloat16) == whole
+    with pytest.raises(TypeError, match="chunk_size"):
+        mod.walk_config(headdim=64, dstate=64, dtype=torch.bfloat16)
     shape = dict(headdim=64, dstate=128, chunk_size=128, dtype=torch.bfloat16)
     assert backward_config(None, "bwd_pass_state", **shape) == narrowed
     assert backward_config({"bwd_pass_state": {"BLOCK_N": 32}}, "bwd_pass_state",
@@ -318,7 +327,7 @@ def test_walk_space():
     assert {c["BLOCK_N"] for c in at64} == {64, 32, 16}
     # at dstate 64 the whole chunk is the chain's own; the 64-token tiles are still timed
     assert at64[0]["ENTRY_BLOCK_T"] == 128 and space[0]["ENTRY_BLOCK_T"] == 64
-    assert {**at64[0], "ENTRY_BLOCK_T": 64} in at64
+    assert [c for c in at64 if c["ENTRY_BLOCK_T"] != 128] == [{**at64[0], "ENTRY_BLOCK_T": 64}]
     # row partials: headdim 64's rows times dstate's column tiles, whatever the row tile; at
     # dstate 256 in 64-column tiles 256 of them (the limit), at 512 over it
     at256 = mod.walk_space(**{**WALK, "dstate": 256})
@@ -356,15 +365,13 @@ def test_walk_space_compiles_for_sm_90(config):
     assert compile_cubin(plan.kernel, plan.args, "sm_90")[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("arch, states, spilled", [
-    ("sm_90", torch.bfloat16, 0), ("sm_100", torch.bfloat16, 0), ("sm_90", torch.float32, 0),
-    ("sm_80", torch.bfloat16, 48)])
-def test_the_chains_walk_at_dstate_64_forms_the_whole_chunk(arch, states, spilled):
-    """``walk_config`` at dstate 64 and chunk 128 (each chunk's product in one piece), as the
-    backward runs it (``ops.backward.pass_config``), with 16-bit and float32 entry states,
-    compiled at the 16K-token layer above: no register spilled for Hopper and Blackwell; for
-    sm_80 48 bytes a thread each way (``walk_config``'s docstring), where the 64-token tiles
-    spill none."""
+@pytest.mark.parametrize("arch, spilled", [("sm_90", 0), ("sm_100", 0), ("sm_80", 48)])
+def test_the_chains_walk_at_dstate_64_forms_the_whole_chunk(arch, spilled):
+    """``walk_config`` at dstate 64 and chunk 128 with bf16 inputs (each chunk's product in one
+    piece), as the backward runs it (``ops.backward.pass_config``), compiled at the 16K-token
+    layer above: no register spilled for Hopper and Blackwell; for sm_80 48 bytes a thread each
+    way (``walk_config``'s docstring), where the 64-token tiles spill none."""
+    states = torch.bfloat16
     from ops.backward import pass_config
     from ops.tools.sass import sass_report
     meta = lambda *s, dt=torch.bfloat16: torch.empty(s, dtype=dt, device="meta")

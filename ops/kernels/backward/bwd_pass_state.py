@@ -167,21 +167,28 @@ def da_partials(headdim, dstate, block_p, block_n, row_parts):
     return cdiv(headdim, bp) * cdiv(dstate, bn) * (bp if row_parts else 1)
 
 
+def read_states_dtype(dtype=None, states_dtype=None):
+    """The dtype this kernel reads the entry states in: ``states_dtype`` (else ``dtype``, x's)
+    where that is x's dtype or float32, else float32 (``ops.backward`` widens them so); with
+    ``dtype`` alone, the entry states' dtype as ``ops.backward`` passes them."""
+    states = states_dtype or dtype or torch.float32
+    if dtype is not None and states not in (dtype, torch.float32):
+        states = torch.float32
+    return states
+
+
 def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
     """The kernel as first written: ``state_tiles``' tiles for the entry states' dtype as this
     kernel gets them (``dtype``, x's, unless ``states_dtype`` says otherwise, as in
     ``ops.forward``; states of neither x's dtype nor float32 reach it widened to float32, as
     ``ops.backward`` passes them), no hints."""
-    states = states_dtype or dtype or torch.float32
-    if dtype is not None and states not in (dtype, torch.float32):
-        states = torch.float32
-    bp, bn = state_tiles(headdim, dstate, states)
+    bp, bn = state_tiles(headdim, dstate, read_states_dtype(dtype, states_dtype))
     return dict(BLOCK_P=bp, BLOCK_N=bn, LOAD_LAT=0, STORE_LAT=0, INDEX64=False, occupancy=None,
                 num_worker_warps=None, FUSE_ENTRY=False, ENTRY_BLOCK_T=64, ENTRY_LAT=0,
                 CARRY_ACC=False, ROW_PARTS=False)
 
 
-def walk_config(*, headdim, dstate, chunk_size=None, dtype=None, states_dtype=None, **_):
+def walk_config(*, headdim, dstate, chunk_size, dtype=None, states_dtype=None, **_):
     """The keys ``ops/backward.py`` runs this kernel with over ``default_config`` (a caller's
     config is taken over them), by the width of ``state_tiles``' tiles:
 
@@ -194,26 +201,31 @@ def walk_config(*, headdim, dstate, chunk_size=None, dtype=None, states_dtype=No
         first two (at most 1.4% faster at the third), 32 x 64 tiles at two blocks slower at all
         three, and LOAD_LAT 8 alone changed nothing
         (``tests/benchmark/results/bwd_pass_state_tiles_h200.csv``);
-      * dstate's tile 64 at chunk 128 (``chunk_size``, the chunk the backward computes at): each
-        chunk's dentry product in one piece (ENTRY_BLOCK_T 128) instead of 64-token tiles in a
-        loop whose trip count is only known at run time (the last chunk may be short).
-        Timed alone, the walk took 1.47-1.53x less time so at every dstate-64 shape searched, on
-        an H100 and an H200 (1 x 16K and 1 x 64K tokens x 80 heads, chunk 128;
+      * dstate's tile 64 at chunk 128 (``chunk_size``, the chunk the backward computes at), with
+        bf16 entry states as read (bf16 inputs and states): each chunk's dentry product in one
+        piece (ENTRY_BLOCK_T 128) instead of 64-token tiles in a loop whose trip count is only
+        known at run time (the last chunk may be short). Timed alone, the walk took 1.47-1.53x
+        less time so at every dstate-64 shape searched, on an H100 and an H200 (1 x 16K and
+        1 x 64K tokens x 80 heads, chunk 128;
         ``tests/benchmark/results/autotune_backward_chunk128_h100.json``, ``..._h200.json``),
         the best of ``walk_space`` each time; searched once it was the rule, at 1 x 4K on an
-        H100, it stayed the best, the tiles 1.44x slower
-        (``autotune_backward_chunk128_4k_dstate64_h100.json``). Compiled for sm_90 and sm_100 it spills no
-        register; for sm_80, where no GPU has timed it, 48 bytes a thread each way (the tiles:
-        none). Other chunks keep the tiles: 64 is one tile already, 256 (at dstate 64 below 4K
-        tokens, ``ops/tuning/compute_chunk.py``) was not measured.
+        H100, no candidate beat it by the tuner's margin (``autotune.MARGIN``; CARRY_ACC
+        1.02x), the tiles 1.44x slower (``autotune_backward_chunk128_4k_dstate64_h100.json``).
+        Compiled for sm_90 and sm_100 it spills no register; for sm_80, where no GPU has timed
+        it, 48 bytes a thread each way (the tiles: none). fp16 and float32 inputs, never
+        timed, keep the tiles: with the whole chunk they spill about three times the tiles'
+        bytes (sm_90). Other chunks keep the tiles too: 64 is one tile already, 256 (the
+        caller's chunk wherever ``ops/tuning/compute_chunk.py`` keeps it) was not measured.
 
     Other tiles (float32 entry states at dstate 128 and up, dstate's tile 32 and below) are left
-    as they are. What beats these keys differs by shape and GPU at dstate 128 and up
+    as they are. ``chunk_size`` is required: a caller that left it out would silently lose the
+    third rule. What beats these keys differs by shape and GPU at dstate 128 and up
     (``walk_space``'s docstring): the table holds the winners."""
     tiles = default_config(headdim=headdim, dstate=dstate, dtype=dtype, states_dtype=states_dtype)
     if tiles["BLOCK_N"] >= 128:
         return {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
-    if tile_size(dstate) == 64 and chunk_size == 128:
+    if (tile_size(dstate) == 64 and chunk_size == 128
+            and read_states_dtype(dtype, states_dtype) == torch.bfloat16):
         return {"FUSE_ENTRY": True, "ENTRY_BLOCK_T": 128}
     return {"FUSE_ENTRY": True}
 
@@ -265,18 +277,18 @@ def walk_space(*, headdim, dstate, chunk_size, batch=1, nheads=1, **shape):
     and of the partials' additions). Timed alone on an H100 at chunk 128 (``python -m
     ops.tools.tune search --backward-only``; ``tests/benchmark/results/
     autotune_backward_chunk128_h100.json``), the best at each shape changes one key or the
-    tiles, and no pair or set of the new keys beat it: the whole chunk
-    1.53x the chain's config at 1 x 16K tokens x 80 heads of dstate 64, the accumulator 1.31x
-    at the 2.7B training shape and 1.38x at 64K x dstate 256 (where 32 x 128 tiles at two
-    blocks did best, 1.44x); all four together 0.92-1.19x. The machine code's
-    counts did not rank them (``tests/benchmark/results/bwd_pass_state_walk_sass_sm90.csv``,
-    ``walk_sass.py``: ROW_PARTS takes the block-wide barriers from 12 to 2 and was 1.11-1.36x).
+    tiles, and no pair or set of the new keys beat it: the whole chunk 1.53x the chain's config
+    of then (64-token tiles) at 1 x 16K tokens x 80 heads of dstate 64, the accumulator 1.31x at
+    the 2.7B training shape and 1.38x at 64K x dstate 256 (where 32 x 128 tiles at two blocks
+    did best, 1.44x); all four together 0.92-1.19x. The machine code's counts did not rank them
+    (``tests/benchmark/results/bwd_pass_state_walk_sass_sm90.csv``, ``walk_sass.py``: ROW_PARTS
+    takes the block-wide barriers from 12 to 2 and was 1.11-1.36x).
     The H200's search (``autotune_backward_chunk128_h200.json``) agrees at dstate 64 (the whole
     chunk 1.47-1.50x at 16K and 64K tokens) and not at dstate 128, where ROW_PARTS won (1.19-1.27x
     at the 130M and 2.7B-prefill shapes), CARRY_ACC just behind. So the whole chunk is the
-    chain's own at dstate 64 (``walk_config``; the 64-token tiles stay in the space, to be
-    timed against it), and at dstate 128 and up no key is: the winners are the table's entries,
-    per GPU; PERF_NOTES.md, "The walk's step"."""
+    chain's own at dstate 64 and chunk 128 with bf16 inputs (``walk_config``; the 64-token tiles
+    stay in the space, to be timed against it), and at dstate 128 and up no key is: the winners
+    are the table's entries, per GPU; PERF_NOTES.md, "The walk's step"."""
     sizes = dict(headdim=headdim, dstate=dstate, **shape)
     base = {**default_config(**sizes), **walk_config(chunk_size=chunk_size, **sizes)}
     configs = [base] + [{**c, "FUSE_ENTRY": True, "ENTRY_BLOCK_T": base["ENTRY_BLOCK_T"]}
