@@ -141,8 +141,8 @@ BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bw
 # dentry itself (``ops/kernels/backward/bwd_pass_state.py``'s FUSE_ENTRY: less time per training
 # step at chunks 64 and 128, ``tests/benchmark/results/bwd_fuse_entry_h200.csv``, and no dentry
 # buffer), in narrower tiles where its default's are 128 columns wide, each chunk's product in
-# one piece at dstate 64 and chunk 128 (``walk_config``). A config given for the kernel is taken
-# over these.
+# one piece at dstate 64 and chunk 128 with bf16 inputs (``walk_config``). A config given for the
+# kernel is taken over these.
 BACKWARD_DEFAULTS = {"bwd_pass_state": pass_state_walk}
 
 
@@ -156,8 +156,8 @@ def entry_read_dtype(x_dtype, stored_dtype):
 def backward_config(configs, name, **shape):
     """The config ``kernel_backward`` runs backward kernel ``name`` with at ``shape`` (headdim,
     dstate, chunk_size: the chunk the kernels compute at, dtype: the entry states' as the
-    kernels read them): ``BACKWARD_DEFAULTS``' keys for
-    the shape, then those of ``configs[name]`` (a missing key: the kernel's default)."""
+    kernels read them): ``BACKWARD_DEFAULTS``' keys for the shape, then those of
+    ``configs[name]`` (a missing key: the kernel's default)."""
     chain = BACKWARD_DEFAULTS[name](**shape) if name in BACKWARD_DEFAULTS else {}
     return {**chain, **((configs or {}).get(name) or {})}
 
