@@ -127,7 +127,7 @@ from ops.tuning.compute_chunk import kernel_chunk
 from ops.tuning.configs import resolve_config
 from ops.runtime.launch import run
 from ops.inputs import as_kernel_input, check_values, with_canonical_strides
-from ops.kernels.common import as_int32, sum_splits
+from ops.kernels.common import as_int32, entry_read_dtype, sum_splits
 
 Tensor = torch.Tensor
 
@@ -144,13 +144,6 @@ BACKWARD_CONFIGS = ("bwd_compute_out", "bwd_pass_state", "bwd_chunk_states", "bw
 # one piece at dstate 64 and chunk 128 with bf16 inputs (``walk_config``). A config given for the
 # kernel is taken over these.
 BACKWARD_DEFAULTS = {"bwd_pass_state": pass_state_walk}
-
-
-def entry_read_dtype(x_dtype, stored_dtype):
-    """The dtype the backward kernels read the entry states in: as stored when that is x's dtype
-    or float32; other stored dtypes (fp16 states of bf16 inputs, 16-bit states of float32 ones)
-    are widened, exactly, to float32."""
-    return stored_dtype if stored_dtype in (x_dtype, torch.float32) else torch.float32
 
 
 def backward_config(configs, name, **shape):

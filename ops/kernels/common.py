@@ -161,6 +161,13 @@ def entry_gradient(dy, C, dA_cumsum, seq_idx, b, c, h, g, pi, ni, CHUNK, BLOCK_T
     return acc
 
 
+def entry_read_dtype(x_dtype, stored_dtype):
+    """The dtype the backward kernels read the entry states in: as stored when that is x's dtype
+    or float32; other stored dtypes (fp16 states of bf16 inputs, 16-bit states of float32 ones)
+    are widened, exactly, to float32 (``ops.backward`` widens them so)."""
+    return stored_dtype if stored_dtype in (x_dtype, torch.float32) else torch.float32
+
+
 def state_tiles(headdim, dstate, states_dtype, block_p=None, block_n=None):
     """Default tiles for an H200 (see ``fwd_pass_state``'s "Parallelism"): 64 headdim rows;
     128 dstate columns with 16-bit entry states, 64 with float32 ones (twice the bytes to store

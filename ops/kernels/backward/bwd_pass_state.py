@@ -48,7 +48,7 @@ import cuda.tile as ct
 
 from ops.tuning.configs import resolve_config, unique, with_hints
 from ops.runtime.launch import Plan, fit_index_width, run
-from ops.kernels.common import (entry_gradient, load_state, state_tiles, ZERO, ConstBool, ConstInt, as_int32, cdiv, is_pow2_in, latency_hint,
+from ops.kernels.common import (entry_gradient, entry_read_dtype, load_state, state_tiles, ZERO, ConstBool, ConstInt, as_int32, cdiv, is_pow2_in, latency_hint,
                     multiprocessors, new_output, tile_size, unread_stand_in)
 
 
@@ -168,13 +168,11 @@ def da_partials(headdim, dstate, block_p, block_n, row_parts):
 
 
 def read_states_dtype(dtype=None, states_dtype=None):
-    """The dtype this kernel reads the entry states in: ``states_dtype`` (else ``dtype``, x's)
-    where that is x's dtype or float32, else float32 (``ops.backward`` widens them so); with
+    """The dtype this kernel reads the entry states in (``common.entry_read_dtype``):
+    ``states_dtype`` (else ``dtype``, x's) as the backward reads it beside x's dtype; with
     ``dtype`` alone, the entry states' dtype as ``ops.backward`` passes them."""
     states = states_dtype or dtype or torch.float32
-    if dtype is not None and states not in (dtype, torch.float32):
-        states = torch.float32
-    return states
+    return states if dtype is None else entry_read_dtype(dtype, states)
 
 
 def default_config(*, headdim, dstate, dtype=None, states_dtype=None, **_):
@@ -221,11 +219,10 @@ def walk_config(*, headdim, dstate, chunk_size, dtype=None, states_dtype=None, *
     as they are. ``chunk_size`` is required: a caller that left it out would silently lose the
     third rule. What beats these keys differs by shape and GPU at dstate 128 and up
     (``walk_space``'s docstring): the table holds the winners."""
-    tiles = default_config(headdim=headdim, dstate=dstate, dtype=dtype, states_dtype=states_dtype)
-    if tiles["BLOCK_N"] >= 128:
+    states = read_states_dtype(dtype, states_dtype)
+    if state_tiles(headdim, dstate, states)[1] >= 128:
         return {"FUSE_ENTRY": True, "BLOCK_N": 64, "occupancy": 2, "LOAD_LAT": 8}
-    if (tile_size(dstate) == 64 and chunk_size == 128
-            and read_states_dtype(dtype, states_dtype) == torch.bfloat16):
+    if tile_size(dstate) == 64 and chunk_size == 128 and states == torch.bfloat16:
         return {"FUSE_ENTRY": True, "ENTRY_BLOCK_T": 128}
     return {"FUSE_ENTRY": True}
 
