@@ -8,13 +8,16 @@ same shape, each candidate says what its changes bought or cost there.
     python -m ops.results.tuning_report CACHE --kernel compute_out --seqlen 65536 --dstate 512
 
     python -m ops.results.tuning_report CACHE --chunk 128 --against OLD_TABLE.json
+    python -m ops.results.tuning_report CACHE --chunk 128 --against ops/tuning/tuned_configs.json --new-gpu
 
 ``load(path)`` -> entries (chunk 256's); ``knobs(entry)`` -> one row per candidate (its changes from the
 default, time, speedup); ``best_single_knob(entries, kernel)`` -> for each knob, the speedup of
 the best candidate that changes only that knob (and occupancy, which goes with tiles), per shape;
 ``against_table(entries, table)`` -> what a refresh of the table gained at the searched shapes:
 the time, in the same search, of the config an earlier table (``ops.tuning.autotune.Table``) chose
-there (its own entry, or one borrowed from the nearest tuned shape), against the winner's.
+there (its own entry, or one borrowed from the nearest tuned shape or from another GPU of the same
+architecture), against the winner's; with ``new_gpu``, what the table would give a GPU it does not
+know of the searched one's architecture.
 """
 import argparse
 import os
@@ -118,22 +121,34 @@ def min_bytes(kernel, *, seqlen, nheads=80, headdim=64, ngroups=1, dstate, chunk
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def against_table(entries, table):
-    """Rows (kernel, shape, what ``table`` chose: "entry" (this shape's own), "nearest" (a
-    nearby shape's) or "default", its ms, the winner's ms, speedup), from the search's own
-    timings: both configs timed in one run on the same inputs. ``table`` is an
-    ``ops.tuning.autotune.Table``; it chooses among the configs the search timed, so an entry whose
-    config the search did not time is passed over, as the forward would pass it over."""
+def against_table(entries, table, new_gpu=False):
+    """Rows (kernel, shape, what ``table`` chose, its ms, the winner's ms, speedup), from the
+    search's own timings: both configs timed in one run on the same inputs. What it chose:
+    "entry" (this shape's own), "nearest" (a nearby shape's), "borrowed" or "borrowed nearest"
+    (another GPU's of the same compute capability, at this shape or a nearby one: ``Table.choice``)
+    or "default". ``table`` is an ``ops.tuning.autotune.Table``; it chooses among the configs the
+    search timed, so an entry whose config the search did not time is passed over, as the forward
+    would pass it over. ``new_gpu``: the table without the searched GPU's own entries, choosing
+    with that GPU's compute capability: what a GPU of the same architecture that the table does
+    not know would get."""
     rows = []
     for e in entries:
         candidates = [cfg for _, cfg in e["timings"]]
         want = {k: v for k, v in e["shape"].items() if k != "space"}
-        chosen = table.choose(e["kernel"], e["device"], want, candidates)
-        own = [t["config"] for t in table.entries
-               if t["kernel"] == e["kernel"] and t["device"] == e["device"]
-               and t["shape"] == {k: str(v) for k, v in want.items()}]
-        how = "default" if chosen is None else ("entry" if chosen in own else "nearest")
-        chosen = e["default"] if chosen is None else chosen
+        seen = table
+        if new_gpu:
+            seen = Table([t for t in table.entries if t["device"] != e["device"]], table.devices)
+        found = seen.choice(e["kernel"], e["device"], want, candidates,
+                            table.devices.get(e["device"]))
+        if found is None:
+            how, chosen = "default", e["default"]
+        else:
+            chosen, entry = found
+            here = entry["shape"] == {k: str(v) for k, v in want.items()}
+            if entry["device"] == e["device"]:
+                how = "entry" if here else "nearest"
+            else:
+                how = "borrowed" if here else "borrowed nearest"
         ms = next(t for t, cfg in e["timings"] if cfg == chosen)
         rows.append((e["kernel"], want, how, ms, e["ms"], ms / e["ms"]))
     return rows
@@ -158,17 +173,23 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=256, help="the entries tuned at this chunk size")
     ap.add_argument("--against", metavar="TABLE", help="an earlier tuned table (ops/tuning/tuned_configs.json "
                     "as it was): the time of its choice at each searched shape against the winner's")
+    ap.add_argument("--new-gpu", action="store_true",
+                    help="with --against: the table without the searched GPU's own entries (what "
+                         "another GPU of its compute capability, unknown to the table, would get)")
     args = ap.parse_args(argv)
     entries = [e for e in load(args.cache, chunk_size=args.chunk)
                if not ((args.kernel and e["kernel"] != args.kernel)
                        or (args.seqlen and e["shape"]["seqlen"] != args.seqlen)
                        or (args.dstate and e["shape"]["dstate"] != args.dstate))]
+    if args.new_gpu and not args.against:
+        ap.error("--new-gpu needs --against TABLE")
     if args.against:
         if not os.path.exists(args.against):
             raise SystemExit(f"--against: no table at {args.against!r} (a tuned_configs.json)")
         print("| kernel | batch x seqlen x heads, groups, dstate | earlier table's choice | its ms | "
               "tuned ms | speedup |\n| --- | --- | --- | ---: | ---: | ---: |")
-        for kernel, s, how, ms, tuned, sp in against_table(entries, Table.load(args.against)):
+        rows = against_table(entries, Table.load(args.against), new_gpu=args.new_gpu)
+        for kernel, s, how, ms, tuned, sp in rows:
             print(f"| {kernel} | {s['batch']} x {s['seqlen']} x {s['nheads']}, {s['ngroups']}, "
                   f"{s['dstate']} | {how} | {ms:.4f} | {tuned:.4f} | {sp:.2f}x |")
         return

@@ -12,7 +12,9 @@ so it never runs unasked. By default a kernel on a GPU takes, in this order:
      H200): the entry for this shape, else the nearest tuned shape of the
      same GPU, chunk, dtype and head and state tiles (by the amount of work), if its config is
      valid here, with the knobs that are slow to compile and gain little away from their own
-     shape left off (``COSTLY_TO_COMPILE``);
+     shape left off (``COSTLY_TO_COMPILE``); a GPU with no such entry of its own chooses the
+     same way among those of the GPUs of its compute capability (``Table.choice``: an H100 takes
+     the H200's forward entries);
   3. the kernel's default config.
 
 The forward's kernels ask in ``ops.forward._config``, the backward's in
@@ -137,10 +139,12 @@ class Autotuner:
     their own). ``device`` names the GPU (keys of different GPUs never mix).
     """
 
-    def __init__(self, path=None, measure=None, device=None, quiet=None, out=None):
+    def __init__(self, path=None, measure=None, device=None, quiet=None, out=None,
+                 capability=None):
         self.path = path or default_cache_path()
         self.measure = measure or cuda_event_timer
         self.device = device
+        self.capability = capability
         self.quiet = (os.environ.get(ENV_QUIET, "0") == "1") if quiet is None else quiet
         self.out = out or sys.stderr
         self._memory = None          # loaded lazily from disk
@@ -159,6 +163,14 @@ class Autotuner:
         if self.device is None:
             self.device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def _capability(self):
+        """The compute capability ("9.0") of the GPU the keys name: the one given, else this
+        process's GPU's where the keys name it; None otherwise (no GPU, or another GPU's name)."""
+        if (self.capability is None and torch.cuda.is_available()
+                and self._device_name() == torch.cuda.get_device_name()):
+            self.capability = "%d.%d" % torch.cuda.get_device_capability()
+        return self.capability
 
     def _load(self):
         if self._memory is None:
@@ -196,7 +208,8 @@ class Autotuner:
         key = self.key(kernel_name, shape)
         if key in memory:
             return memory[key]["config"]
-        found = table().choose(kernel_name, self._device_name(), shape, candidates)
+        found = table().choose(kernel_name, self._device_name(), shape, candidates,
+                               self._capability())
         return default if found is None else found
 
     # The search -------------------------------------------------------------------------------
@@ -262,6 +275,8 @@ class Autotuner:
         memory[key] = {"config": cfg, "ms": ms, "candidates": len(candidates),
                        "failures": len(self.last_failures), "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "timings": [[round(t, 5), c] for t, c in results]}
+        if self._capability() is not None:        # the table's GPUs of one architecture share
+            memory[key]["capability"] = self._capability()
         self._save()
         self._say(f"  -> {_fmt(cfg)} at {ms:.3f} ms ({time.time() - start:.0f} s; cached in {self.path})")
         return cfg
@@ -318,27 +333,47 @@ def _work(shape):
 
 
 class Table:
-    """Tuned configs, as entries {kernel, device, shape, config} (``export_table`` makes them)."""
+    """Tuned configs, as entries {kernel, device, shape, config} (``export_table`` makes them),
+    and ``devices``: {GPU name as the entries give it: its compute capability, "9.0"}."""
 
-    def __init__(self, entries):
+    def __init__(self, entries, devices=None):
         self.entries = entries
+        self.devices = dict(devices or {})
 
     @classmethod
     def load(cls, path=TABLE_PATH):
         try:
             with open(path) as f:
-                return cls(json.load(f)["entries"])
+                data = json.load(f)
         except FileNotFoundError:
             return cls([])
+        return cls(data["entries"], data.get("devices"))
 
-    def choose(self, kernel_name, device, shape, candidates):
-        """The config of the entry for this shape, else of the nearest tuned shape (same GPU,
-        ``SAME`` items; nearest in log2 of batch x seqlen x heads, then features, state dtype and
-        groups), among those whose config is one of ``candidates`` (the current search space);
-        None if no entry qualifies."""
+    def choose(self, kernel_name, device, shape, candidates, capability=None):
+        """The config ``choice`` picks, or None."""
+        found = self.choice(kernel_name, device, shape, candidates, capability)
+        return None if found is None else found[0]
+
+    def choice(self, kernel_name, device, shape, candidates, capability=None):
+        """(config, the entry it comes from) for ``kernel_name`` at ``shape`` on GPU ``device``,
+        among the entries whose config is one of ``candidates`` (the current search space) and
+        whose ``SAME`` items match; None if none qualifies.
+
+        The rule: this GPU's entry for this shape, else its nearest tuned shape's (nearest in
+        log2 of batch x seqlen x heads, then features, state dtype and groups). Where none of
+        this GPU's entries qualifies, the same choice among the entries of the GPUs of its
+        compute capability (``capability``, as ``devices`` records each GPU's): the H100 and the
+        H200 are one chip with different memory, and each GPU's backward winners, timed in the
+        other's searches, were within a few percent of the other's best where the default was
+        up to 2x slower (``tests/benchmark/test_tuning_report.py``; PERF_NOTES.md, "A committed
+        table of tuned configs"). A config from another shape or another GPU has the knobs that
+        are slow to compile left off (``COSTLY_TO_COMPILE``): it was not timed here."""
         want = {k: str(v) for k, v in shape.items() if k != "space"}
-        mine = [e for e in self.entries if e["kernel"] == kernel_name and e["device"] == device
-                and all(_same(k, e["shape"].get(k), want.get(k)) for k in SAME)]
+
+        def qualifying(gpu):
+            return [e for e in self.entries if e["kernel"] == kernel_name and e["device"] == gpu
+                    and all(_same(k, e["shape"].get(k), want.get(k)) for k in SAME)
+                    and e["config"] in candidates]
 
         def distance(entry):
             other = entry["shape"]
@@ -347,13 +382,17 @@ class Table:
                              for k in ("headdim", "dstate", "features", "states_dtype", "ngroups",
                                        "batch", "nheads")))
 
-        for entry in sorted(mine, key=distance):
-            if entry["config"] in candidates:
-                config = entry["config"]
-                if entry["shape"] != want:                # the nearest tuned shape's, not ours
-                    config = _cheap_to_compile(config, candidates)
-                return config
-        return None
+        found = qualifying(device)
+        if not found and capability is not None:
+            found = [e for gpu in sorted(self.devices) if gpu != device
+                     and self.devices[gpu] == capability for e in qualifying(gpu)]
+        if not found:
+            return None
+        entry = min(found, key=distance)
+        config = entry["config"]
+        if entry["shape"] != want or entry["device"] != device:   # not timed here
+            config = _cheap_to_compile(config, candidates)
+        return config, entry
 
 
 # Knobs whose variants take much longer to compile, and the value that does not: persistent
@@ -399,14 +438,19 @@ def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
     table: one entry per kernel, device and shape (the latest search where the caches searched
     a shape more than once). With ``keep`` (a table's path), that table's entries stay for the
     shapes no cache searched, so a refresh of some shapes leaves the others' tuning in place;
-    a shape the caches searched takes their winner. Returns the count."""
+    a shape the caches searched takes their winner. The table's ``devices`` (each GPU's compute
+    capability, which ``Table.choice`` matches GPUs by) are ``keep``'s and those the searches
+    recorded. Returns the count of entries."""
     best = {}
+    devices = dict(Table.load(keep).devices if keep else {})
     for path in cache_paths:
         for key, value in read_cache(path).items():
             if key.endswith(FAULTED):
                 continue
             kernel, device, shape = parse_key(key)
             shape.pop("space", None)
+            if value.get("capability"):
+                devices[device] = value["capability"]
             entry = {"kernel": kernel, "device": device, "shape": shape,
                      "config": value["config"], "tuned_at": value.get("tuned_at", "")}
             ident = _entry_ident(entry)
@@ -417,7 +461,8 @@ def export_table(cache_paths, out_path=TABLE_PATH, keep=None):
     entries = [best[k] for k in sorted(best)]
     with open(out_path, "w") as f:
         json.dump({"about": "winners of autotune searches (python -m ops.tools.tune export); "
-                            "read by ops.tuning.autotune.Table", "entries": entries}, f, indent=1)
+                            "read by ops.tuning.autotune.Table",
+                   "devices": dict(sorted(devices.items())), "entries": entries}, f, indent=1)
         f.write("\n")
     return len(entries)
 

@@ -285,6 +285,50 @@ def test_a_borrowed_config_leaves_persistent_blocks_off():
     assert t.choose("compute_out", "Test GPU", nearby, [persistent]) == persistent  # no cheap twin
 
 
+def test_a_gpu_without_entries_borrows_those_of_its_architecture():
+    """Table.choice: this GPU's entries first, even a nearby shape's; only where none of them
+    qualifies, the entries of a GPU of the same compute capability, chosen the same way, their
+    costly knobs left off even at this very shape (not timed on this GPU)."""
+    a, b = CONFIGS[:2]
+    persistent = {"BLOCK_M": 64, "PERSISTENT": True}
+    plain = {"BLOCK_M": 64, "PERSISTENT": False}
+    devices = {"Test GPU": "9.0", "Sibling GPU": "9.0", "Older GPU": "8.0"}
+    shape = {**TABLE_SHAPE, "space": "whatever"}
+    t = Table([_entry(a, device="Sibling GPU"), _entry(b, device="Older GPU"),
+               _entry(persistent, device="Sibling GPU", dstate="256")], devices)
+    assert t.choose("compute_out", "Test GPU", shape, CONFIGS) is None         # no capability given
+    config, entry = t.choice("compute_out", "Test GPU", shape, CONFIGS, "9.0")
+    assert config == a and entry["device"] == "Sibling GPU"
+    assert t.choose("compute_out", "Test GPU", shape, CONFIGS, "8.0") == b
+    assert t.choose("compute_out", "Test GPU", shape, CONFIGS, "10.0") is None
+    assert t.choose("compute_out", "Test GPU", {**shape, "dstate": "256"},
+                    [persistent, plain], "9.0") == plain                     # borrowed: cheap twin
+    # one entry of its own, at another length, comes before the sibling's at this one
+    mine = Table(t.entries + [_entry(b, seqlen="262144")], devices)
+    assert mine.choose("compute_out", "Test GPU", shape, CONFIGS, "9.0") == b
+    # ... unless its config is not valid here
+    assert mine.choose("compute_out", "Test GPU", shape, [a], "9.0") == a
+
+
+def test_lookup_asks_the_table_with_the_gpus_capability_and_a_search_records_it(tmp_path,
+                                                                                monkeypatch):
+    import ops.tuning.autotune as autotune
+    monkeypatch.setattr(autotune, "_TABLE", Table([_entry(CONFIGS[1], device="Sibling GPU")],
+                                                  {"Sibling GPU": "9.0"}))
+    gpu = FakeGPU()
+    shape = {**TABLE_SHAPE, "space": "x"}
+    assert _tuner(tmp_path, gpu).lookup("compute_out", shape, CONFIGS, CONFIGS[0]) == CONFIGS[0]
+    t = _tuner(tmp_path, gpu, capability="9.0")
+    assert t.lookup("compute_out", shape, CONFIGS, CONFIGS[0]) == CONFIGS[1]
+    t.best("compute_out", shape, [CONFIGS[3]], CONFIGS[3], gpu.run)
+    (record,) = json.loads((tmp_path / "autotune.json").read_text()).values()
+    assert record["capability"] == "9.0"
+    # the export carries it into the table's devices, beside those the kept table had
+    (tmp_path / "old.json").write_text(json.dumps({"devices": {"Sibling GPU": "9.0"}, "entries": []}))
+    export_table([tmp_path / "autotune.json"], tmp_path / "t.json", keep=tmp_path / "old.json")
+    assert Table.load(tmp_path / "t.json").devices == {"Sibling GPU": "9.0", "Test GPU": "9.0"}
+
+
 def test_lookup_prefers_an_earlier_search_then_the_table_then_the_default(tmp_path, monkeypatch):
     import ops.tuning.autotune as autotune
     monkeypatch.setattr(autotune, "_TABLE", Table([_entry(CONFIGS[1])]))
