@@ -16,8 +16,8 @@ the best candidate that changes only that knob (and occupancy, which goes with t
 ``against_table(entries, table)`` -> what a refresh of the table gained at the searched shapes:
 the time, in the same search, of the config an earlier table (``ops.tuning.autotune.Table``) chose
 there (its own entry, or one borrowed from the nearest tuned shape or from another GPU of the same
-architecture), against the winner's; with ``new_gpu``, what the table would give a GPU it does not
-know of the searched one's architecture.
+compute capability), against the winner's; with ``new_gpu``, what the table would give an unknown
+GPU of the searched GPU's compute capability.
 """
 import argparse
 import os
@@ -42,7 +42,7 @@ KNOB_NAMES = {
 
 def load(path, chunk_size=256):
     """-> list of entries: dict(kernel, device, shape (dict), config, ms, default, default_ms,
-    timings [(ms, config), ...]). The default is the first candidate timed (the search spaces
+    timings [(ms, config), ...], capability (the GPU's, where the search recorded it, else None)). The default is the first candidate timed (the search spaces
     put it first); entries without per-candidate timings are skipped. Only entries tuned at
     ``chunk_size`` are kept (None: every chunk size), so that one (seqlen, dstate) names one entry."""
     raw = read_cache(path)                 # caches are committed gzipped
@@ -57,7 +57,8 @@ def load(path, chunk_size=256):
         timings = [(float(ms), cfg) for ms, cfg in value["timings"]]
         entries.append(dict(kernel=kernel, device=device, shape=shape, config=value["config"],
                             ms=float(value["ms"]), default=timings[0][1],
-                            default_ms=timings[0][0], timings=timings))
+                            default_ms=timings[0][0], timings=timings,
+                            capability=value.get("capability")))
     entries.sort(key=lambda e: (e["kernel"], e["shape"].get("dstate", 0), e["shape"].get("seqlen", 0)))
     return entries
 
@@ -128,9 +129,10 @@ def against_table(entries, table, new_gpu=False):
     (another GPU's of the same compute capability, at this shape or a nearby one: ``Table.choice``)
     or "default". ``table`` is an ``ops.tuning.autotune.Table``; it chooses among the configs the
     search timed, so an entry whose config the search did not time is passed over, as the forward
-    would pass it over. ``new_gpu``: the table without the searched GPU's own entries, choosing
-    with that GPU's compute capability: what a GPU of the same architecture that the table does
-    not know would get."""
+    would pass it over. The searched GPU's compute capability is the table's ``devices``' for it,
+    else the search's own record. ``new_gpu``: the table without the searched GPU's own entries,
+    choosing with that capability: what an unknown GPU of the searched GPU's compute capability
+    would get."""
     rows = []
     for e in entries:
         candidates = [cfg for _, cfg in e["timings"]]
@@ -139,7 +141,7 @@ def against_table(entries, table, new_gpu=False):
         if new_gpu:
             seen = Table([t for t in table.entries if t["device"] != e["device"]], table.devices)
         found = seen.choice(e["kernel"], e["device"], want, candidates,
-                            table.devices.get(e["device"]))
+                            table.devices.get(e["device"], e.get("capability")))
         if found is None:
             how, chosen = "default", e["default"]
         else:
@@ -186,7 +188,9 @@ def main(argv=None):
     if args.against:
         if not os.path.exists(args.against):
             raise SystemExit(f"--against: no table at {args.against!r} (a tuned_configs.json)")
-        print("| kernel | batch x seqlen x heads, groups, dstate | earlier table's choice | its ms | "
+        whose = "its choice for an unknown GPU of this capability" if args.new_gpu \
+            else "earlier table's choice"
+        print(f"| kernel | batch x seqlen x heads, groups, dstate | {whose} | its ms | "
               "tuned ms | speedup |\n| --- | --- | --- | ---: | ---: | ---: |")
         rows = against_table(entries, Table.load(args.against), new_gpu=args.new_gpu)
         for kernel, s, how, ms, tuned, sp in rows:

@@ -17,7 +17,10 @@ chunk given, which is the chunk the kernels compute at (a training step's backwa
 searches the backward's kernels alone: the forward's run the configs a first call takes with
 ``MAMBA2_CUTILE_AUTOTUNE=table`` (the cache's winner, else the committed table's, else the
 default), and are neither compiled ahead nor timed.
-``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``.
+``export`` writes caches' winners as a table in the format of ``ops/tuning/tuned_configs.json``,
+with each GPU's compute capability (its searches record it; ``--keep``'s table gives those of
+earlier ones), by which a GPU the table has no entries for borrows another's
+(``autotune.Table.choice``).
 """
 import argparse
 import concurrent.futures
@@ -32,7 +35,7 @@ from ops import backward, forward
 from ops.backward import BACKWARD_KERNELS, chain_space
 from ops.forward import KERNELS
 from ops.tuning import autotune
-from ops.tuning.autotune import TABLE_PATH, export_table
+from ops.tuning.autotune import TABLE_PATH, Table, export_table
 
 DEFAULTS = dict(batch=1, seqlen=16384, nheads=80, headdim=64, ngroups=1, dstate=128,
                 chunk_size=256)
@@ -241,6 +244,12 @@ def search(args):
 def export(args):
     out = args.out or TABLE_PATH
     print(f"{export_table(args.caches, out, keep=args.keep)} entries written to {out}")
+    table = Table.load(out)
+    unknown = sorted({e["device"] for e in table.entries} - set(table.devices))
+    if unknown:
+        print(f"note: no compute capability recorded for {', '.join(unknown)} (searches made "
+              f"before it was recorded): no other GPU borrows their entries; --keep a table "
+              f"whose devices name them, or add them to its devices")
 
 
 def main(argv=None):

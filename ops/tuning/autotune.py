@@ -13,8 +13,8 @@ so it never runs unasked. By default a kernel on a GPU takes, in this order:
      same GPU, chunk, dtype and head and state tiles (by the amount of work), if its config is
      valid here, with the knobs that are slow to compile and gain little away from their own
      shape left off (``COSTLY_TO_COMPILE``); a GPU with no such entry of its own chooses the
-     same way among those of the GPUs of its compute capability (``Table.choice``: an H100 takes
-     the H200's forward entries);
+     same way among those of the GPUs of its compute capability (``Table.choice``: an H100
+     takes the H200's forward entries, the H200 the H100's backward ones at dstate 256);
   3. the kernel's default config.
 
 The forward's kernels ask in ``ops.forward._config``, the backward's in
@@ -136,7 +136,10 @@ class Autotuner:
     """Finds, remembers and returns the fastest config of a kernel for a shape key.
 
     ``measure(run) -> milliseconds`` times one candidate (CUDA events by default; tests inject
-    their own). ``device`` names the GPU (keys of different GPUs never mix).
+    their own). ``device`` names the GPU (keys of different GPUs never mix); ``capability`` is
+    its compute capability ("9.0"), by default this process's GPU's where ``device`` names it:
+    the table lends a GPU with no entries of its own those of GPUs of its capability, and a
+    search records it for ``export_table``.
     """
 
     def __init__(self, path=None, measure=None, device=None, quiet=None, out=None,
@@ -275,7 +278,7 @@ class Autotuner:
         memory[key] = {"config": cfg, "ms": ms, "candidates": len(candidates),
                        "failures": len(self.last_failures), "tuned_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                        "timings": [[round(t, 5), c] for t, c in results]}
-        if self._capability() is not None:        # the table's GPUs of one architecture share
+        if self._capability() is not None:        # export_table's devices: Table.choice
             memory[key]["capability"] = self._capability()
         self._save()
         self._say(f"  -> {_fmt(cfg)} at {ms:.3f} ms ({time.time() - start:.0f} s; cached in {self.path})")
@@ -361,13 +364,18 @@ class Table:
 
         The rule: this GPU's entry for this shape, else its nearest tuned shape's (nearest in
         log2 of batch x seqlen x heads, then features, state dtype and groups). Where none of
-        this GPU's entries qualifies, the same choice among the entries of the GPUs of its
-        compute capability (``capability``, as ``devices`` records each GPU's): the H100 and the
-        H200 are one chip with different memory, and each GPU's backward winners, timed in the
-        other's searches, were within a few percent of the other's best where the default was
-        up to 2x slower (``tests/benchmark/test_tuning_report.py``; PERF_NOTES.md, "A committed
-        table of tuned configs"). A config from another shape or another GPU has the knobs that
-        are slow to compile left off (``COSTLY_TO_COMPILE``): it was not timed here."""
+        this GPU's entries qualifies (none for this kernel, chunk, dtype and head and state
+        tiles whose config is valid here), the same choice among the entries of the GPUs of its
+        compute capability (``capability``, as ``devices`` records each GPU's; between two such
+        GPUs' equally near entries, the first GPU by name). So one entry of its own, however far
+        its shape, comes before another GPU's at this very shape: a GPU's own timings are the
+        better evidence for it. Why borrow: the H100 and the H200 are one chip with different
+        memory, and where the backward's searches on either timed the config the other's entries
+        give, it was within 1.05x of the fastest candidate in 15 of 16 and 1.16x in the last
+        (``tests/benchmark/test_tuning_report.py``; PERF_NOTES.md, "A committed table of tuned
+        configs", which also says what borrowing has not been timed at). A config from another
+        shape or another GPU has the knobs that are slow to compile left off
+        (``COSTLY_TO_COMPILE``): it was not timed at this shape on this GPU."""
         want = {k: str(v) for k, v in shape.items() if k != "space"}
 
         def qualifying(gpu):

@@ -895,7 +895,8 @@ def test_a_backward_only_search_runs_the_forward_at_the_tables_configs(monkeypat
     """``search --backward-only``: the candidates are the backward chain's alone, and the
     forward's kernels run the committed table's configs for the shape on that GPU (at the 2.7B
     training shape, chunk 128, the table's compute_out: two heads per block, persistent), the
-    defaults on a GPU the table does not know."""
+    defaults on a GPU the table does not know and whose compute capability is unknown (none
+    to borrow by: ``autotune.Table.choice``)."""
     import json
 
     from ops.forward import KERNELS

@@ -372,6 +372,36 @@ def test_export_with_keep_refreshes_some_shapes_and_keeps_the_others(tmp_path):
     assert export_table([tmp_path / "c.json.gz"], tmp_path / "t.json") == 1     # without keep: the cache only
 
 
+def test_export_notes_the_gpus_whose_capability_it_lacks(tmp_path, capsys):
+    """``tune export``: a GPU whose entries come from a search that recorded no capability, and
+    which the kept table's devices do not name, lends nothing: the export says so."""
+    from ops.tools import tune
+    key = "compute_out|Old GPU|cuda-tile 1.7.0|" + ",".join(f"{k}={v}" for k, v in sorted(
+        {**TABLE_SHAPE, "space": "s1"}.items()))
+    (tmp_path / "c.json").write_text(json.dumps({key: {"config": CONFIGS[0], "tuned_at": "x"}}))
+    tune.main(["export", str(tmp_path / "c.json"), "--out", str(tmp_path / "t.json")])
+    assert "no compute capability recorded for Old GPU" in capsys.readouterr().out
+    (tmp_path / "keep.json").write_text(json.dumps({"devices": {"Old GPU": "8.0"}, "entries": []}))
+    tune.main(["export", str(tmp_path / "c.json"), "--out", str(tmp_path / "t.json"),
+               "--keep", str(tmp_path / "keep.json")])
+    assert "no compute capability" not in capsys.readouterr().out
+    assert Table.load(tmp_path / "t.json").devices == {"Old GPU": "8.0"}
+
+
+def test_the_capability_is_this_gpus_only_where_the_keys_name_it(tmp_path, monkeypatch):
+    """Autotuner._capability: this process's GPU's, as "major.minor", when the tuner's keys name
+    that GPU; None for another GPU's name or without a GPU (no wrong GPU's capability)."""
+    import torch
+    gpu = FakeGPU()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Test GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert _tuner(tmp_path, gpu)._capability() == "9.0"
+    assert Autotuner(path=str(tmp_path / "a.json"), device="Other GPU")._capability() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _tuner(tmp_path, gpu)._capability() is None
+
+
 def _sizes(shape):
     import torch
     out = {}
