@@ -42,9 +42,10 @@ KNOB_NAMES = {
 
 def load(path, chunk_size=256):
     """-> list of entries: dict(kernel, device, shape (dict), config, ms, default, default_ms,
-    timings [(ms, config), ...], capability (the GPU's, where the search recorded it, else None)). The default is the first candidate timed (the search spaces
-    put it first); entries without per-candidate timings are skipped. Only entries tuned at
-    ``chunk_size`` are kept (None: every chunk size), so that one (seqlen, dstate) names one entry."""
+    timings [(ms, config), ...], capability (the GPU's, where the search recorded it, else
+    None)). The default is the first candidate timed (the search spaces put it first); entries
+    without per-candidate timings are skipped. Only entries tuned at ``chunk_size`` are kept
+    (None: every chunk size), so that one (seqlen, dstate) names one entry."""
     raw = read_cache(path)                 # caches are committed gzipped
     entries = []
     for key, value in raw.items():
