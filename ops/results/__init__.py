@@ -1,4 +1,5 @@
-"""Readers of the committed measurements: what notebooks 05-09 and the README's results table show.
+"""Readers of the committed measurements: what notebooks 05-09 and the benchmarks' results table
+(``tests/benchmark/README.md``) show.
 
 The benchmarks that produce them live in ``tests/benchmark/`` (its README says how to run each);
 their CSVs, profiles and figures are committed under ``tests/benchmark/results/`` (``RESULTS``).

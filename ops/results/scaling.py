@@ -1,5 +1,6 @@
 """Context parallelism's scaling, read from ``tests/benchmark/context_parallel.py``'s CSV: the
-table notebook 09 prints and the README's results block carries.
+table notebook 09 prints and the benchmarks' results table
+(``tests/benchmark/README.md``) carries.
 
     python -m ops.results.scaling tests/benchmark/results/context_parallel_1gpu_h200.csv
 

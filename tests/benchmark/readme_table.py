@@ -1,6 +1,7 @@
-"""The README's results table, generated from the committed CSVs of ``tests/benchmark/results/``.
+"""The results table of ``tests/benchmark/README.md``, generated from the committed CSVs of
+``results/`` beside it (the top-level README links to it and quotes no number).
 
-    python -m tests.benchmark.readme_table            # rewrite the block in README.md in place
+    python -m tests.benchmark.readme_table            # rewrite the block in that README in place
     python -m tests.benchmark.readme_table --check    # exit 1, with a short diff, if it differs
 
 The block lies between ``<!-- results-table:begin -->`` and ``<!-- results-table:end -->``. It
@@ -41,7 +42,7 @@ CONTEXT_PARALLEL_CSV = "context_parallel_1gpu_h200.csv"
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "benchmark" / "results"
-README = ROOT / "README.md"
+README = ROOT / "tests" / "benchmark" / "README.md"
 BEGIN = "<!-- results-table:begin -->"
 END = "<!-- results-table:end -->"
 
@@ -130,8 +131,8 @@ def chunks_text(rows_by_impl, first, second=None):
 
 
 def link(name):
-    """A CSV's name as a markdown link from README.md (at the repository's root)."""
-    return f"[`{name}`]({RESULTS.relative_to(ROOT).as_posix()}/{name})"
+    """A CSV's name as a markdown link from the README the table sits in (beside ``results/``)."""
+    return f"[`{name}`]({RESULTS.relative_to(README.parent).as_posix()}/{name})"
 
 
 def sci(value):
@@ -337,7 +338,7 @@ def block_from_csvs(results=RESULTS):
 def split_readme(text):
     """(before, block, after) around the markers; ValueError if they are not there once each."""
     if text.count(BEGIN) != 1 or text.count(END) != 1:
-        raise ValueError(f"README.md must hold {BEGIN} and {END} once each")
+        raise ValueError(f"the README must hold {BEGIN} and {END} once each")
     before, rest = text.split(BEGIN, 1)
     block, after = rest.split(END, 1)
     if not block.startswith("\n"):
@@ -349,7 +350,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tests.benchmark.readme_table",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 with a diff if README.md's block differs from the CSVs'")
+                        help="exit 1 with a diff if the README's block differs from the CSVs'")
     parser.add_argument("--readme", default=str(README), help="the README to rewrite or check")
     args = parser.parse_args(argv)
     path = pathlib.Path(args.readme)
@@ -361,7 +362,7 @@ def main(argv=None):
             print(f"{path.name}: the results table matches the CSVs")
             return 0
         diff = difflib.unified_diff(current.splitlines(), wanted.splitlines(),
-                                    "README.md (now)", "from the CSVs", lineterm="", n=0)
+                                    f"{path.name} (now)", "from the CSVs", lineterm="", n=0)
         print("\n".join(diff))
         print(f"{path.name}: the results table differs from the CSVs; "
               "run python -m tests.benchmark.readme_table", file=sys.stderr)

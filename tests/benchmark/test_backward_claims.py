@@ -464,7 +464,7 @@ def test_dstate_64_computes_at_128_from_4k():
 
 
 def test_the_model_shapes_step_against_both_peers():
-    """PERF_NOTES.md, open questions 1-3, and the README's table: at the four model shapes, in one
+    """PERF_NOTES.md, open questions 1-3, and the results table: at the four model shapes, in one
     run on the H200, this project's step takes 1.54-1.73x less GPU time than Triton's and
     1.18-1.23x less than TileGym's, at 0.77-0.86x Triton's peak memory, its gradients within
     3.2e-3 of Triton's; at the 2.7B prefill shape its eager step takes 2.2x its GPU time (1.27

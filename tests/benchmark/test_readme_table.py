@@ -1,9 +1,10 @@
-"""The README's results table (``tests/benchmark/readme_table.py``): current, right, and loud.
+"""The results table of tests/benchmark/README.md (``tests/benchmark/readme_table.py``):
+current, right, and loud.
 
-On a CPU: the block in README.md equals what the committed CSVs give now (it fails when either the
-README or a CSV changes without the other: ``python -m tests.benchmark.readme_table`` rewrites
-it); the table builder on rows made by hand, with the expected cells worked out here by hand; and
-a missing row raises, naming the CSV and the row.
+On a CPU: the block in that README equals what the committed CSVs give now (it fails when either
+the README or a CSV changes without the other: ``python -m tests.benchmark.readme_table``
+rewrites it); the table builder on rows made by hand, with the expected cells worked out here by
+hand; and a missing row raises, naming the CSV and the row.
 """
 import pytest
 
@@ -42,7 +43,7 @@ def training_rows():
 def test_readme_block_is_what_the_csvs_give():
     _, block, _ = rt.split_readme(rt.README.read_text())
     assert block == rt.block_from_csvs(), (
-        "README.md's results table differs from the committed CSVs: "
+        "tests/benchmark/README.md's results table differs from the committed CSVs: "
         "run python -m tests.benchmark.readme_table")
 
 
@@ -80,7 +81,7 @@ def test_block_notes_by_hand():
     block = rt.build_block(forward_rows(), [("step.csv", training_rows())],
                            forward_source="fwd.csv", models=MODEL)
     text = " ".join(block.split())        # the notes are wrapped; compare them unwrapped
-    assert "[`fwd.csv`](tests/benchmark/results/fwd.csv), on the Test GPU" in text
+    assert "[`fwd.csv`](results/fwd.csv), on the Test GPU" in text
     assert "headdim 64, dstate 128" in text
     assert "Chunks: ours called at 256, computing at 128; Triton called at 256; TileGym called at 64." in text
     assert "Outputs within 4.0e-4 (ours), 2.0e-3 (TileGym) of Triton's." in text
@@ -189,7 +190,7 @@ def test_scaling_table_by_hand():
         "| strong, training step | 1M (512K) | 2 | 55.0 | 1.82× | 91% | 2.0% | 29.0 |",
         "| strong, training step | 1M (256K) | 4 | 30.0 | 3.33× | 83% | 4.2% | 15.0 |",
         "| weak, forward | 256K (256K) | 1 | 6.8 | 1.00× | 100% | 4.6% | 10.4 |"]
-    assert "[`cp.csv`](tests/benchmark/results/cp.csv), on the Test GPU" in note
+    assert "[`cp.csv`](results/cp.csv), on the Test GPU" in note
     assert "80 heads × headdim 64 × dstate 128, bfloat16" in note
     assert "World sizes 1, 2, 4" in note
     _, alone = rt.scaling_block(("cp.csv", [r for r in scaling_rows() if r["world_size"] == 1]))
