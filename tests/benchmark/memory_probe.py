@@ -5,18 +5,18 @@
 
 Why: on the H200 a training step's scan (``fwd_bwd.py``) peaks above what
 ``ops.backward.memory_accounting``, the forward's output and the gradients account for: at the 2.7B
-training shape, chunk 128, 949 MiB measured against about 750, a remainder a little larger than
-the forward's own entry states (160 MiB); and the step's peak moved with the forward's chunk by
-as much as those grow (``PERF_NOTES.md``). On the CPU interpreter, in a step whose plans were
-built afresh, nothing of the forward was alive in the backward. On the H200 (commit ``339f854``) the launch probe gave back all 3072 MiB; at
-the step's peak, 947 MiB against about 740 (577 accounted at the token kernel's step plus the
-forward's 160 MiB output), five blocks of 160 MiB were alive (three made by a plan's ``bind``, two
-by ``new_output``) where those name four, and two of 20 MiB from ``bind`` where they name none.
+training shape, chunk 128, 949 MiB measured against about 750, a remainder a little larger than the
+forward's own entry states (160 MiB); and the step's peak moved with the forward's chunk by as much
+as those grow (``PERF_NOTES.md``). On the CPU interpreter, in a step whose plans were built afresh,
+nothing of the forward was alive in the backward. On the H200 the launch probe gave back all 3072
+MiB; at the step's peak, 947 MiB against about 740 (577 accounted at the token kernel's step plus
+the forward's 160 MiB output), five blocks of 160 MiB were alive (three made by a plan's ``bind``,
+two by ``new_output``) where those name four, and two of 20 MiB from ``bind`` where they name none.
 20 MiB is the final states' size at chunk 128; 160 MiB the entry states', but also x's. They were
-the forward's entry and final states and the recompute's final states, held through the backward
-by a reference cycle in ``bind`` (found on the CPU with a tracker of live tensors, fixed:
-``ops.runtime.launch._build``); ``--depth`` names the callers of ``bind`` to tell such blocks apart. Two
-probes, each printed:
+the forward's entry and final states and the recompute's final states, held through the backward by
+a reference cycle in ``bind`` (found on the CPU with a tracker of live tensors, fixed:
+``ops.runtime.launch._build``); ``--depth`` names the callers of ``bind`` to tell such blocks apart.
+Two probes, each printed:
 
     launch  one launch of a small kernel (``ops.examples.vector_add``) on three 1 GiB
             tensors, which are then dropped: how much of their memory comes back. All of it, unless

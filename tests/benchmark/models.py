@@ -46,7 +46,7 @@ project at chunks 128 and 256, two models per command (each well inside 10 minut
     (the same for mamba2-2.7b-prefill and 8b-hybrid-layer: 21 s, then 206 s; the two CSVs
     concatenated)
 
-``results/models_auto_h200.csv`` (sources of commit ac1da97) is the same at a caller's chunk 256
+``results/models_auto_h200.csv`` is the same at a caller's chunk 256
 only, where this project computes at 128 (ops/tuning/compute_chunk.py), TileGym at 64, in one command
 after TileGym's warm step (70 s):
 
