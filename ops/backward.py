@@ -69,10 +69,10 @@ bf16, D, no z; ``memory_accounting`` computes them for any shape and config, and
     float32 (b, c, h, p, n) buffer, 160 (320), alive through the pass, whose step is then the
     peak at 128 (650 MiB).
     A training step's peak adds the forward's output and the gradients to this; it is measured
-    by ``tests/benchmark/fwd_bwd.py`` (``tests/benchmark/results/fwd_bwd_models_h200.csv`` at the
-    model shapes, next to mamba_ssm's Triton: PERF_NOTES.md, "The backward computes at the forward's
-    chunk"). Plans must hold no reference cycles, or the forward's entry and
-    final states stay allocated through this peak until the garbage collector runs
+    by ``tests/benchmark/fwd_bwd.py`` (``tests/benchmark/results/fwd_bwd_h200.csv`` at the model
+    shapes and the grid, next to mamba_ssm's Triton: PERF_NOTES.md, "The backward computes at the
+    forward's chunk"). Plans must hold no reference cycles, or the forward's entry and final states
+    stay allocated through this peak until the garbage collector runs
     (``ops.runtime.launch._build``; PERF_NOTES.md, "Plans hold no reference cycles", and
     ``tests/benchmark/results/memory_probe_2p7b_h200.txt``).
 

@@ -42,7 +42,7 @@ forward's entry states are freed when it returns (the backward recomputes them),
 training step's forward keeps them for its backward (``ops.backward.keeps``: no larger than x,
 which at 128 means dstate up to 128), until that backward has run. The forward's
 peak and a training step's rise accordingly (``models_h200.csv``'s ``peak_mem_mb``;
-``fwd_bwd_models_h200.csv``, beside Triton's, against the same step at exactly the caller's 256,
+``fwd_bwd_h200.csv``, beside Triton's, against the same step at exactly the caller's 256,
 ``fwd_bwd_caller_h200.csv``; PERF_NOTES.md compares them).
 ``MAMBA2_CUTILE_COMPUTE_CHUNK=caller`` gives it back, at the time the caller's chunk takes.
 

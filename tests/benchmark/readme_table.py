@@ -34,7 +34,7 @@ from ops.results.report import fmt_len, load
 # The committed results the tables are made from (file names under RESULTS).
 FORWARD_CSV = "models_auto_h200.csv"
 # Searched in order: a model's training-step rows come from the first CSV that has the model.
-TRAINING_CSVS = ("fwd_bwd_models_h200.csv",)
+TRAINING_CSVS = ("fwd_bwd_h200.csv",)
 # A later run of ours alone whose peak memory is quoted under the training table (None: none).
 PEAK_RECHECK_CSV = None
 # Context parallelism's scaling (``tests/benchmark/context_parallel.py``; None: no table).
