@@ -22,8 +22,19 @@ does:
 
 Each test's outcome is read from its process's ``-v`` output as it runs, so a stopped process
 loses nothing that finished. The logs go to ``--out`` (one per process run), with
-``summary.txt``: counts, then every failed, errored and not-run test. The exit status is 0 only
-if every collected test passed or was skipped.
+``summary.txt``: counts, then every failed, errored and not-run test; and ``outcomes.tsv``: every
+collected test's outcome, one a line. The exit status is 0 only if every collected test passed or
+was skipped.
+
+A suite longer than one sitting runs in parts: ``--resume`` an earlier ``outcomes.tsv`` keeps the
+tests it has as passed, skipped or expected to fail, and runs the rest (failed, errored, not run,
+and any it does not name), so that its summary and ``outcomes.tsv`` cover the whole suite:
+
+    python -m tests.gpu_suite --limit 540 --out part1
+    python -m tests.gpu_suite --limit 540 --out part2 --resume part1/outcomes.tsv
+
+Only the same code's outcomes may be carried over: a change between the parts is tested only where
+its tests run again.
 """
 import argparse
 import os
@@ -163,6 +174,20 @@ def summary(ids, results):
     return "\n".join(lines + bad) + "\n", not bad
 
 
+def read_outcomes(path):
+    """{node id: outcome} from an ``outcomes.tsv`` (``outcome<TAB>node id`` a line); ValueError,
+    naming the line, for a line of another form or an outcome this runner does not write."""
+    known = {"PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS", "NOT RUN"}
+    found = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        outcome, tab, node = line.partition("\t")
+        if not tab or outcome not in known or "::" not in node:
+            raise ValueError(f"{path}, line {number}: expected 'outcome<TAB>node id' with an "
+                             f"outcome among {sorted(known)}, got {line!r}")
+        found[node] = outcome
+    return found
+
+
 def main(argv=None):
     """The command line (see the module's docstring); returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -170,32 +195,51 @@ def main(argv=None):
     parser.add_argument("--procs", type=int, default=8, help="pytest processes at once")
     parser.add_argument("--limit", type=float, default=560, help="seconds for the whole run")
     parser.add_argument("--out", default="gpu_suite", help="folder for the logs and summary.txt")
+    parser.add_argument("--resume", metavar="TSV",
+                        help="an earlier run's outcomes.tsv: keep its passed and skipped tests, run the rest")
     args = parser.parse_args(argv)
     if args.procs < 1:
         parser.error(f"--procs must be at least 1, got {args.procs}")
     if args.limit <= 0:
         parser.error(f"--limit must be positive, got {args.limit}")
+    earlier = {}
+    if args.resume:
+        try:
+            earlier = read_outcomes(args.resume)
+        except OSError as e:
+            parser.error(f"--resume: cannot read {args.resume}: {e.strerror}")
+        except ValueError as e:
+            parser.error(f"--resume: {e}")
     start = time.monotonic()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = start + args.limit
     ids = collect(args.paths, "gpu", deadline - time.monotonic())
-    alone = set(collect(args.paths, "gpu and gpu_memory", max(1.0, deadline - time.monotonic())))
-    rest = [t for t in ids if t not in alone]
-    print(f"{len(ids)} tests: {len(alone)} alone first, then {len(rest)} in "
+    kept = {t: earlier[t] for t in ids if earlier.get(t) in GOOD}
+    if args.resume:
+        print(f"resuming {args.resume}: {len(kept)} outcomes kept, {len(ids) - len(kept)} tests to run",
+              flush=True)
+    todo = [t for t in ids if t not in kept]
+    alone = set(collect(args.paths, "gpu and gpu_memory", max(1.0, deadline - time.monotonic()))) \
+        & set(todo)
+    rest = [t for t in todo if t not in alone]
+    print(f"{len(todo)} tests: {len(alone)} alone first, then {len(rest)} in "
           f"{min(args.procs, len(rest))} processes; logs in {out}", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    first = [Shard("alone", [t for t in ids if t in alone], out, env)] if alone else []
+    first = [Shard("alone", [t for t in todo if t in alone], out, env)] if alone else []
     if first:
         run_all(first, deadline)
         print(f"alone: {time.monotonic() - start:.0f} s", flush=True)
     shards = [Shard(f"shard{k}", part, out, env) for k, part in enumerate(slices(rest, args.procs))]
     if shards and time.monotonic() < deadline:
         run_all(shards, deadline)
-    results = {t: v for s in first + shards for t, v in s.results.items()}
+    results = dict(kept, **{t: v for s in first + shards for t, v in s.results.items()})
     text, ok = summary(ids, results)
+    if kept:
+        text += f"({len(kept)} outcomes kept from {args.resume})\n"
     text += f"({time.monotonic() - start:.0f} s, {sum(s.runs for s in first + shards)} processes)\n"
     (out / "summary.txt").write_text(text)
+    (out / "outcomes.tsv").write_text("".join(f"{results.get(t, 'NOT RUN')}\t{t}\n" for t in ids))
     print(text, end="")
     return 0 if ok else 1
 

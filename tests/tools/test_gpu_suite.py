@@ -1,7 +1,8 @@
 """``tests/gpu_suite.py``, the gpu tests in parallel processes, run on the CPU on a folder of
 small stand-in tests (plain pytest tests carrying the ``gpu`` and ``gpu_memory`` markers): what
 each test's outcome is, which tests run alone and first, that a process stopped by a broken test
-is started again on the rest, and what the time limit leaves as not run."""
+is started again on the rest, what the time limit leaves as not run, and what a run resumed from
+an earlier one keeps."""
 import textwrap
 
 import pytest
@@ -130,9 +131,32 @@ def test_the_time_limit_leaves_the_rest_not_run(suite, monkeypatch):
     assert 15 <= seconds <= 20
 
 
-def test_bad_arguments_are_refused(capsys):
+def test_a_resumed_run_keeps_what_passed_and_runs_the_rest(suite, capsys):
+    folder, log = suite
+    assert gpu_suite.main(["--procs", "2", "--limit", "120", "--out", str(folder / "part1")]) == 1
+    first = (folder / "part1" / "outcomes.tsv").read_text().splitlines()
+    assert len(first) == 12 and "ERROR\ttest_stand_ins.py::test_crashes" in first
+    assert "PASSED\ttest_stand_ins.py::test_small[3]" in first
+    log.write_text("")
+    status = gpu_suite.main(["--procs", "2", "--limit", "120", "--out", str(folder / "part2"),
+                             "--resume", str(folder / "part1" / "outcomes.tsv")])
+    assert status == 1                                  # the same three still fail
+    assert sorted(name for name, _, _ in ran(log)) == ["crashes", "fails", "stops"]
+    text = (folder / "part2" / "summary.txt").read_text()
+    assert text.startswith("12 gpu tests: 1 error, 2 failed, 9 passed")
+    assert "(9 outcomes kept from " in text
+    assert (folder / "part2" / "outcomes.tsv").read_text().splitlines() == first
+    out = capsys.readouterr().out
+    assert "9 outcomes kept, 3 tests to run" in out and "3 tests: 0 alone first" in out
+
+
+def test_bad_arguments_are_refused(capsys, tmp_path):
+    broken = tmp_path / "outcomes.tsv"
+    broken.write_text("PASSED\tt.py::a\nPASSED t.py::b\n")
     for argv, message in ((["--procs", "0"], "--procs must be at least 1"),
-                          (["--limit", "0"], "--limit must be positive")):
+                          (["--limit", "0"], "--limit must be positive"),
+                          (["--resume", str(tmp_path / "none.tsv")], "--resume: cannot read"),
+                          (["--resume", str(broken)], "line 2: expected 'outcome<TAB>node id'")):
         with pytest.raises(SystemExit):
             gpu_suite.main(argv)
         assert message in capsys.readouterr().err
