@@ -195,8 +195,8 @@ def main(argv=None):
     parser.add_argument("--procs", type=int, default=8, help="pytest processes at once")
     parser.add_argument("--limit", type=float, default=560, help="seconds for the whole run")
     parser.add_argument("--out", default="gpu_suite", help="folder for the logs and summary.txt")
-    parser.add_argument("--resume", metavar="TSV",
-                        help="an earlier run's outcomes.tsv: keep its passed and skipped tests, run the rest")
+    parser.add_argument("--resume", metavar="TSV", help="an earlier run's outcomes.tsv: keep its "
+                        "passed and skipped tests, run the rest")
     args = parser.parse_args(argv)
     if args.procs < 1:
         parser.error(f"--procs must be at least 1, got {args.procs}")
@@ -233,7 +233,7 @@ def main(argv=None):
     shards = [Shard(f"shard{k}", part, out, env) for k, part in enumerate(slices(rest, args.procs))]
     if shards and time.monotonic() < deadline:
         run_all(shards, deadline)
-    results = dict(kept, **{t: v for s in first + shards for t, v in s.results.items()})
+    results = {**kept, **{t: v for s in first + shards for t, v in s.results.items()}}
     text, ok = summary(ids, results)
     if kept:
         text += f"({len(kept)} outcomes kept from {args.resume})\n"
