@@ -45,8 +45,10 @@ import sys
 import time
 from pathlib import Path
 
-OUTCOME = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")   # pytest's -v words
+OUTCOME = re.compile(rf"^(\S+::\S+) ({'|'.join(OUTCOMES)})\b")
 GOOD = {"PASSED", "SKIPPED", "XFAIL"}
+NOT_RUN = "NOT RUN"                                   # a collected test without an outcome
 PYTEST = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
 
 
@@ -162,22 +164,26 @@ def run_all(shards, deadline, poll_s=1.0, every_s=30.0):
             s.stop()
 
 
-def summary(ids, results):
-    """(text, ok): counts of each outcome over ``ids`` (``NOT RUN`` for those without one) and
-    the ids of every test that did not pass or skip."""
-    status = {t: results.get(t, "NOT RUN") for t in ids}
+def statuses(ids, results):
+    """{node id: outcome} over ``ids`` in their order, ``NOT RUN`` for those without one."""
+    return {t: results.get(t, NOT_RUN) for t in ids}
+
+
+def summary(status):
+    """(text, ok) of ``statuses``: counts of each outcome and the ids of every test that did not
+    pass or skip."""
     counts = {}
     for v in status.values():
         counts[v] = counts.get(v, 0) + 1
     bad = [f"{v:8s} {t}" for t, v in status.items() if v not in GOOD]
-    lines = [f"{len(ids)} gpu tests: " + ", ".join(f"{n} {k.lower()}" for k, n in sorted(counts.items()))]
+    lines = [f"{len(status)} gpu tests: " + ", ".join(f"{n} {k.lower()}" for k, n in sorted(counts.items()))]
     return "\n".join(lines + bad) + "\n", not bad
 
 
 def read_outcomes(path):
     """{node id: outcome} from an ``outcomes.tsv`` (``outcome<TAB>node id`` a line); ValueError,
     naming the line, for a line of another form or an outcome this runner does not write."""
-    known = {"PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS", "NOT RUN"}
+    known = {*OUTCOMES, NOT_RUN}
     found = {}
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         outcome, tab, node = line.partition("\t")
@@ -233,13 +239,13 @@ def main(argv=None):
     shards = [Shard(f"shard{k}", part, out, env) for k, part in enumerate(slices(rest, args.procs))]
     if shards and time.monotonic() < deadline:
         run_all(shards, deadline)
-    results = {**kept, **{t: v for s in first + shards for t, v in s.results.items()}}
-    text, ok = summary(ids, results)
+    status = statuses(ids, {**kept, **{t: v for s in first + shards for t, v in s.results.items()}})
+    text, ok = summary(status)
     if kept:
         text += f"({len(kept)} outcomes kept from {args.resume})\n"
     text += f"({time.monotonic() - start:.0f} s, {sum(s.runs for s in first + shards)} processes)\n"
     (out / "summary.txt").write_text(text)
-    (out / "outcomes.tsv").write_text("".join(f"{results.get(t, 'NOT RUN')}\t{t}\n" for t in ids))
+    (out / "outcomes.tsv").write_text("".join(f"{v}\t{t}\n" for t, v in status.items()))
     print(text, end="")
     return 0 if ok else 1
 
