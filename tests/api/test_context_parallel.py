@@ -31,6 +31,14 @@ Tolerances (relative error in norm, ``reference.validate.rel_err``):
 * the mixer: float32's bounds whatever its dtype. Its gated norm computes in float32, and it
   keeps dt_bias, A_log and D in float32, so a float64 layer rounds to float32 on the way forward
   and back (the errors seen: ~1e-8 in float64, ~1e-7 in float32).
+
+The kernels (the end of the file): a 1000-token scan and a layer on it, in float32, at a model's
+headdim and dstate, split over 1, 2, 4 or 8 ranks. ``test_the_kernels_under_nccl`` (gpu) runs them
+with backend "cutile" under NCCL, rank r on GPU r, each world size only where the machine has that
+many GPUs; ``test_the_kernel_cases_through_the_interpreter`` runs them at world size 2 on the CPU
+(gloo, backend "interpret"), so that the cases and their checks are tested wherever the suite
+runs. Float32's bounds above; the interpreter's errors on these cases stay below 3e-6 at every
+world size.
 """
 import datetime
 import os
@@ -169,31 +177,36 @@ def scan(case, kw, process_group=None, split=True):
 
 
 def loss_of(case, out, final, lo, hi, first):
+    """A rank's share of the loss (weights drawn on the CPU, the same on every device)."""
     w = loss_weights(out.shape[:1] + (sum(case["lengths"]),) + out.shape[2:], out.dtype, 5)
-    loss = (out * w[:, lo:hi]).sum()
+    loss = (out * w[:, lo:hi].to(out.device)).sum()
     if final is not None and first:
-        loss = loss + (final * loss_weights(final.shape, final.dtype, 6)).sum()
+        loss = loss + (final * loss_weights(final.shape, final.dtype, 6).to(final.device)).sum()
     return loss
 
 
-def mixer(case, process_group=None):
-    return Mamba2Mixer(d_model=16, d_state=8, headdim=8, ngroups=2, chunk_size=16,
-                       backend="reference", generator=torch.Generator().manual_seed(2),
-                       dtype=case["dtype"], process_group=process_group)
+MIXER = dict(d_model=16, d_state=8, headdim=8, ngroups=2, chunk_size=16, backend="reference")
+
+
+def mixer(case, process_group=None, device=None):
+    """The layer of a case (``MIXER`` updated by its "layer"), the same weights in every process."""
+    return Mamba2Mixer(**{**MIXER, **case.get("layer", {})}, dtype=case["dtype"], device=device,
+                       generator=torch.Generator().manual_seed(2), process_group=process_group)
 
 
 def mixer_input(case):
-    return torch.randn(2, sum(case["lengths"]), 16, generator=torch.Generator().manual_seed(3),
+    d_model = case.get("layer", {}).get("d_model", MIXER["d_model"])
+    return torch.randn(2, sum(case["lengths"]), d_model, generator=torch.Generator().manual_seed(3),
                        dtype=case["dtype"])
 
 
 # The workers ------------------------------------------------------------------------------------
 
-def run_scan(case, group, rank):
+def run_scan(case, group, rank, device="cpu"):
     kw = scan_inputs(case)
     lo = sum(case["lengths"][:rank])
     hi = lo + case["lengths"][rank]
-    mine = {k: (v[:, lo:hi] if k in SLICED or k == "seq_idx" else v).detach().clone()
+    mine = {k: (v[:, lo:hi] if k in SLICED or k == "seq_idx" else v).detach().to(device).clone()
             .requires_grad_(v.requires_grad) for k, v in kw.items()}
     result = scan(case, mine, group)
     out, final = result if case.get("final", True) else (result, None)
@@ -207,10 +220,10 @@ def run_scan(case, group, rank):
     return got
 
 
-def run_mixer(case, group, rank):
-    m = mixer(case, group if group is not None else dist.group.WORLD)
+def run_mixer(case, group, rank, device="cpu"):
+    m = mixer(case, group if group is not None else dist.group.WORLD, device)
     lo = sum(case["lengths"][:rank])
-    u = mixer_input(case)[:, lo:lo + case["lengths"][rank]].requires_grad_()
+    u = mixer_input(case)[:, lo:lo + case["lengths"][rank]].to(device).requires_grad_()
     out = m(u)
     loss_of(case, out, None, lo, lo + out.shape[1], rank == 0).backward()
     grads = {"u": u.grad, **{n: p.grad for n, p in m.named_parameters()}}
@@ -292,18 +305,17 @@ def case_results(ranks, name):
     return results
 
 
-@pytest.mark.parametrize("name", list(SCAN_CASES))
-def test_the_scan_equals_the_single_process_call(ranks, name):
-    case = SCAN_CASES[name]
-    results = case_results(ranks, name)
+def check_scan(case, results, device="cpu"):
+    """The ranks' results (on the CPU) against the single-process call on ``device``."""
     assert len(results) == case["size"]
-    kw = scan_inputs(case)
+    kw = {k: v.detach().to(device).requires_grad_(v.requires_grad)
+          for k, v in scan_inputs(case).items()}
     result = scan(case, kw, split=False)
     out, final = result if case.get("final", True) else (result, None)
     loss_of(case, out, final, 0, out.shape[1], True).backward()
     tol_out, tol_grad = TOL[case["dtype"]]
     # norms in float64: a growing head's float32 values square past float32's range
-    err = lambda got, want: rel_err(got.double(), want.double())
+    err = lambda got, want: rel_err(got.double(), want.double().cpu())
 
     assert all(r["out"].dtype == out.dtype for r in results)
     assert err(gathered(results, "out"), out) < tol_out
@@ -317,23 +329,33 @@ def test_the_scan_equals_the_single_process_call(ranks, name):
         if not v.requires_grad:
             continue
         got = (torch.cat([r["grads"][k] for r in results], dim=1) if k in SLICED
-               else summed(results, k, v))
+               else summed(results, k, v.cpu()))
         assert err(got, v.grad) < tol_grad, k
+
+
+def check_mixer(case, results, device="cpu"):
+    """The ranks' results (on the CPU) against the single-process layer on ``device``."""
+    assert len(results) == case["size"]
+    m, u = mixer(case, device=device), mixer_input(case).to(device).requires_grad_()
+    out = m(u)
+    loss_of(case, out, None, 0, out.shape[1], True).backward()
+    tol_out, tol_grad = TOL[torch.float32]            # the norm computes in float32 (docstring)
+    err = lambda got, want: rel_err(got, want.cpu())
+
+    assert err(gathered(results, "out"), out) < tol_out
+    assert err(torch.cat([r["grads"]["u"] for r in results], dim=1), u.grad) < tol_grad
+    for n, p in m.named_parameters():
+        assert err(summed(results, n, p.cpu()), p.grad) < tol_grad, n
+
+
+@pytest.mark.parametrize("name", list(SCAN_CASES))
+def test_the_scan_equals_the_single_process_call(ranks, name):
+    check_scan(SCAN_CASES[name], case_results(ranks, name))
 
 
 @pytest.mark.parametrize("name", list(MIXER_CASES))
 def test_the_mixer_equals_the_single_process_layer(ranks, name):
-    case = MIXER_CASES[name]
-    results = case_results(ranks, name)
-    m, u = mixer(case), mixer_input(case).requires_grad_()
-    out = m(u)
-    loss_of(case, out, None, 0, out.shape[1], True).backward()
-    tol_out, tol_grad = TOL[torch.float32]            # the norm computes in float32 (docstring)
-
-    assert rel_err(gathered(results, "out"), out) < tol_out
-    assert rel_err(torch.cat([r["grads"]["u"] for r in results], dim=1), u.grad) < tol_grad
-    for n, p in m.named_parameters():
-        assert rel_err(summed(results, n, p), p.grad) < tol_grad, n
+    check_mixer(MIXER_CASES[name], case_results(ranks, name))
 
 
 @pytest.mark.parametrize("name", list(ERROR_CASES))
@@ -360,41 +382,85 @@ def test_the_mixer_takes_a_process_group_or_a_scan():
                     process_group=object())
 
 
-# GPU: the kernels under NCCL -------------------------------------------------------------------
+# The kernels: under NCCL, one GPU a rank (gpu); the same cases through the interpreter ----------
 
-GPU_CASE = dict(size=1, lengths=[1000], dtype=torch.float32, backend="cutile", seq=PACKED,
-                problem=dict(nheads=8, headdim=64, dstate=64))
+# 1000 tokens split unevenly at each world size, with a 5-token and a 1-token slice (shorter than a
+# chunk). Sequences start at 12, 305 and 700 in row 0 and at 505, 600 and 900 in row 1: at world
+# sizes 2, 4 and 8 one starts exactly at a rank's first token (600; 305 and 700; 505) and others
+# run across ranks. Row 0 starts from initial_states; row 1's ids start at 3 (none of its tokens
+# reads them).
+KERNEL_SPLITS = {1: [1000], 2: [600, 400], 4: [300, 5, 395, 300],
+                 8: [130, 5, 120, 250, 1, 199, 150, 145]}
+KERNEL_PACKED = [(0, [12, 305, 700]), (3, [505, 600, 900])]
 
 
-def gpu_inputs():
-    return {k: v.cuda().detach().requires_grad_(v.requires_grad)
-            for k, v in scan_inputs(GPU_CASE).items()}
+def kernel_cases(size, backend):
+    """What the ranks of one world size run, in float32 (the kernels compute in full float32):
+    the scan at headdim 64 and dstate 64, and a layer of 8 heads on it."""
+    lengths = KERNEL_SPLITS[size]
+    return {"scan": dict(size=size, lengths=lengths, dtype=torch.float32, backend=backend,
+                         seq=KERNEL_PACKED, problem=dict(nheads=8, headdim=64, dstate=64)),
+            "mixer": dict(size=size, lengths=lengths, dtype=torch.float32,
+                          layer=dict(d_model=256, d_state=64, headdim=64, chunk_size=64,
+                                     backend=backend))}
 
 
-def gpu_worker(rank, folder):
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=dist.FileStore(os.path.join(folder, "store"), 1),
-                            rank=0, world_size=1)
-    kw = gpu_inputs()
-    out, final = scan(GPU_CASE, kw, dist.group.WORLD)
-    loss_of(GPU_CASE, out.cpu(), final.cpu(), 0, out.shape[1], True).backward()
-    torch.save(dict(out=out.detach().cpu(), final=final.detach().cpu(),
-                    grads={k: v.grad.cpu() for k, v in kw.items() if v.requires_grad}),
-               os.path.join(folder, "gpu.pt"))
+# a collective backend: (the kernels' backend, rank r's device)
+KERNEL_RUNS = {"nccl": ("cutile", lambda rank: torch.device("cuda", rank)),
+               "gloo": ("interpret", lambda rank: torch.device("cpu"))}
+
+
+def kernel_worker(rank, size, collective, folder):
+    backend, device = KERNEL_RUNS[collective][0], KERNEL_RUNS[collective][1](rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(collective, store=dist.FileStore(os.path.join(folder, "store"), size),
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=300))
+    runs = {"scan": run_scan, "mixer": run_mixer}
+    got = {what: runs[what](case, None, rank, device)
+           for what, case in kernel_cases(size, backend).items()}
+    torch.save(got, os.path.join(folder, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def kernel_ranks(tmp_path_factory):
+    """(collective, size) -> what each rank got, [{"scan": ..., "mixer": ...}] in rank order: one
+    launch of ``size`` processes per pair (under NCCL on GPUs 0 .. size - 1)."""
+    done = {}
+
+    def at(collective, size):
+        if (collective, size) not in done:
+            folder = str(tmp_path_factory.mktemp(f"{collective}{size}"))
+            mp.spawn(kernel_worker, args=(size, collective, folder), nprocs=size, join=True)
+            done[collective, size] = [
+                torch.load(os.path.join(folder, f"rank{r}.pt"), map_location="cpu",
+                           weights_only=False) for r in range(size)]
+        return done[collective, size]
+    return at
+
+
+CHECKS = {"scan": check_scan, "mixer": check_mixer}
+
+
 @pytest.mark.gpu
-def test_the_kernels_under_nccl(tmp_path):
-    """World size 1 on NCCL with backend="cutile": the exchange's collectives on CUDA tensors,
-    forward and backward, against the single-process call (float32 kernels, float32 bounds)."""
-    mp.spawn(gpu_worker, args=(str(tmp_path),), nprocs=1, join=True)
-    got = torch.load(tmp_path / "gpu.pt", weights_only=False)
-    kw = gpu_inputs()
-    out, final = scan(GPU_CASE, kw, split=False)
-    loss_of(GPU_CASE, out.cpu(), final.cpu(), 0, out.shape[1], True).backward()
-    tol_out, tol_grad = TOL[torch.float32]
-    assert rel_err(got["out"], out) < tol_out and rel_err(got["final"], final) < tol_out
-    assert set(got["grads"]) == {k for k, v in kw.items() if v.requires_grad}
-    for k, g in got["grads"].items():
-        assert rel_err(g, kw[k].grad) < tol_grad, k
+@pytest.mark.parametrize("what", list(CHECKS))
+@pytest.mark.parametrize("size", sorted(KERNEL_SPLITS))
+def test_the_kernels_under_nccl(kernel_ranks, size, what):
+    """World size ``size`` on NCCL, rank r on GPU r, backend "cutile": outputs, final states and
+    every gradient against the single-process call on the whole sequence on GPU 0. World size 1
+    runs the exchange's collectives on CUDA tensors; 2, 4 and 8 need as many GPUs."""
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"world size {size} needs {size} GPUs, this machine has "
+                    f"{torch.cuda.device_count()}")
+    CHECKS[what](kernel_cases(size, "cutile")[what], [r[what] for r in kernel_ranks("nccl", size)],
+                 "cuda")
+
+
+@pytest.mark.parametrize("what", list(CHECKS))
+def test_the_kernel_cases_through_the_interpreter(kernel_ranks, what):
+    """test_the_kernels_under_nccl's cases at world size 2 on the CPU: gloo, and the kernels' tile
+    programs run by the interpreter (backend "interpret") against its single-process call."""
+    CHECKS[what](kernel_cases(2, "interpret")[what], [r[what] for r in kernel_ranks("gloo", 2)])
