@@ -394,10 +394,14 @@ KERNEL_SPLITS = {1: [1000], 2: [600, 400], 4: [300, 5, 395, 300],
 KERNEL_PACKED = [(0, [12, 305, 700]), (3, [505, 600, 900])]
 
 
-def kernel_cases(size, backend):
+# the kernels' backend under each collective backend: on GPUs, or interpreted on the CPU
+KERNELS = {"nccl": "cutile", "gloo": "interpret"}
+
+
+def kernel_cases(size, collective):
     """What the ranks of one world size run, in float32 (the kernels compute in full float32):
     the scan at headdim 64 and dstate 64, and a layer of 8 heads on it."""
-    lengths = KERNEL_SPLITS[size]
+    backend, lengths = KERNELS[collective], KERNEL_SPLITS[size]
     return {"scan": dict(size=size, lengths=lengths, dtype=torch.float32, backend=backend,
                          seq=KERNEL_PACKED, problem=dict(nheads=8, headdim=64, dstate=64)),
             "mixer": dict(size=size, lengths=lengths, dtype=torch.float32,
@@ -405,22 +409,18 @@ def kernel_cases(size, backend):
                                      backend=backend))}
 
 
-# a collective backend: (the kernels' backend, rank r's device)
-KERNEL_RUNS = {"nccl": ("cutile", lambda rank: torch.device("cuda", rank)),
-               "gloo": ("interpret", lambda rank: torch.device("cpu"))}
-
-
 def kernel_worker(rank, size, collective, folder):
-    backend, device = KERNEL_RUNS[collective][0], KERNEL_RUNS[collective][1](rank)
-    if device.type == "cuda":
+    if collective == "nccl":
+        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     else:
+        device = torch.device("cpu")
         torch.set_num_threads(1)
     dist.init_process_group(collective, store=dist.FileStore(os.path.join(folder, "store"), size),
                             rank=rank, world_size=size, timeout=datetime.timedelta(seconds=300))
     runs = {"scan": run_scan, "mixer": run_mixer}
     got = {what: runs[what](case, None, rank, device)
-           for what, case in kernel_cases(size, backend).items()}
+           for what, case in kernel_cases(size, collective).items()}
     torch.save(got, os.path.join(folder, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -455,7 +455,7 @@ def test_the_kernels_under_nccl(kernel_ranks, size, what):
     if torch.cuda.device_count() < size:
         pytest.skip(f"world size {size} needs {size} GPUs, this machine has "
                     f"{torch.cuda.device_count()}")
-    CHECKS[what](kernel_cases(size, "cutile")[what], [r[what] for r in kernel_ranks("nccl", size)],
+    CHECKS[what](kernel_cases(size, "nccl")[what], [r[what] for r in kernel_ranks("nccl", size)],
                  "cuda")
 
 
@@ -463,4 +463,4 @@ def test_the_kernels_under_nccl(kernel_ranks, size, what):
 def test_the_kernel_cases_through_the_interpreter(kernel_ranks, what):
     """test_the_kernels_under_nccl's cases at world size 2 on the CPU: gloo, and the kernels' tile
     programs run by the interpreter (backend "interpret") against its single-process call."""
-    CHECKS[what](kernel_cases(2, "interpret")[what], [r[what] for r in kernel_ranks("gloo", 2)])
+    CHECKS[what](kernel_cases(2, "gloo")[what], [r[what] for r in kernel_ranks("gloo", 2)])

@@ -485,11 +485,13 @@ def test_the_step_against_both_peers():
                                  / ours[s]["graph_ms"] for s in among}
     span = lambda d: (round(min(d.values()), 2), round(max(d.values()), 2))
     assert span(ratio("triton", MODELS)) == (1.54, 1.73)
-    triton = ratio("triton", grid)
-    assert span(triton) == (1.18, 1.78) and min(triton, key=triton.get).endswith("n256 g1")
+    triton_grid = ratio("triton", grid)
+    assert span(triton_grid) == (1.18, 1.78) \
+        and min(triton_grid, key=triton_grid.get).endswith("n256 g1")
     assert span(ratio("tilegym", MODELS)) == (1.18, 1.27)
-    tilegym = ratio("tilegym", grid)
-    assert span(tilegym) == (1.00, 1.42) and min(tilegym, key=tilegym.get) == "1x4096x80h n64 g1"
+    tilegym_grid = ratio("tilegym", grid)
+    assert span(tilegym_grid) == (1.00, 1.42) \
+        and min(tilegym_grid, key=tilegym_grid.get) == "1x4096x80h n64 g1"
     assert (round(ours["1x4096x80h n64 g1"]["graph_ms"], 3),
             round(run["1x4096x80h n64 g1", "tilegym", 64]["graph_ms"], 3)) == (0.481, 0.483)
     peaks = {s: ours[s]["peak_mib"] / run[s, "triton", 256]["peak_mib"] for s in shapes}
